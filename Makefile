@@ -1,0 +1,22 @@
+# The two entry points of the README: both set everything up on a fresh clone.
+PY := .venv/bin/python
+
+.PHONY: setup train test test-fast bench clean
+
+setup:
+	bash scripts/setup.sh
+
+## Train CIFAR-10 LeNet with 2 DDP processes on generated data (outputs in runs/).
+train: setup
+	bash scripts/train_demo.sh
+
+## The whole test suite: every backend under its real launcher.
+test: setup
+	$(PY) -m pytest
+
+## Only the in-process tests (no launcher).
+test-fast: setup
+	$(PY) -m pytest -m "not launcher"
+
+clean:
+	rm -rf runs data .pytest_cache

@@ -1,0 +1,110 @@
+"""Backend names, lookup and launcher detection.
+
+Built-in backends are listed by module path, so nothing is imported until a
+backend is asked for.  Third-party backends register through the
+``parallelx.backends`` entry-point group (``name = "pkg.module:Class"``) or at
+run time with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from .backend import Backend
+from .errors import BackendUnavailableError, UnknownBackendError
+
+ENTRY_POINT_GROUP = "parallelx.backends"
+
+_BUILTIN: dict[str, str] = {
+    "single": "backends.single:SingleBackend",
+    "dp": "backends.dp:DataParallelBackend",
+    "ddp": "backends.ddp:DDPBackend",
+    "horovod": "backends.horovod:HorovodBackend",
+    "deepspeed": "backends.deepspeed:DeepSpeedBackend",
+}
+_REGISTERED: dict[str, str | type[Backend]] = {}
+
+
+def register_backend(name: str, target: str | type[Backend]) -> None:
+    """Make ``name`` available to :func:`get_backend`; ``target`` is a Backend
+    subclass or a ``"module:Class"`` path imported on first use."""
+    _REGISTERED[name] = target
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _table() -> dict[str, str | type[Backend]]:
+    table: dict[str, str | type[Backend]] = dict(_BUILTIN)
+    for name, value in _entry_points().items():
+        table.setdefault(name, value)
+    table.update(_REGISTERED)
+    return table
+
+
+def available_backends() -> list[str]:
+    """Every backend name :func:`get_backend` accepts (``auto`` included)."""
+    return [*_table(), "auto"]
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The Backend subclass registered as ``name`` (imports its module, which
+    never imports the backend's heavy package)."""
+    table = _table()
+    if name not in table:
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; valid backends are: {', '.join(available_backends())}")
+    target = table[name]
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    if not (isinstance(target, type) and issubclass(target, Backend)):
+        raise UnknownBackendError(f"backend {name!r} resolves to {target!r}, which is not a parallelx.Backend")
+    return target
+
+
+def detect_backend(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
+    """The backend the launcher of this process was meant for.
+
+    Each backend scores the environment (torchrun's, horovodrun's and the
+    deepspeed launcher's variables); the highest score wins, and ``single``
+    is the fallback.
+    """
+    env = os.environ if environ is None else environ
+    args = sys.argv if argv is None else argv
+    best, best_score = "single", 0
+    for name in _table():
+        try:
+            score = backend_class(name).detect(env, args)
+        except ImportError:
+            continue
+        if score > best_score:
+            best, best_score = name, score
+    return best
+
+
+def get_backend(name: str = "auto", **options: Any) -> Backend:
+    """Create the backend called ``name`` (not yet initialised: call ``init()``).
+
+    ``auto`` picks from the launcher's environment: torchrun -> ``ddp``,
+    horovodrun -> ``horovod``, the deepspeed launcher -> ``deepspeed``; with no
+    launcher, ``dp`` when several GPUs are visible, else ``single``.
+    ``options`` go to the backend's constructor (e.g. ``timeout=60``,
+    ``zero_stage=2``).
+    """
+    if name == "auto":
+        name = detect_backend()
+    cls = backend_class(name)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise UnknownBackendError(f"backend {name!r} does not accept these options: {exc}") from None

@@ -1,0 +1,99 @@
+"""A distributed sampler that knows which of its samples are padding.
+
+``torch.utils.data.DistributedSampler`` pads the index list so that every rank
+gets the same number of samples (ranks that run out of batches early would
+leave the others waiting in a collective).  The padding repeats samples, and
+metrics computed over a padded shard count those samples twice.
+:class:`ShardedSampler` pads the same way but records, for its rank, how many
+leading positions are real (:attr:`num_real`), so that metrics can mask the
+rest: see :func:`parallelx.metrics.real_mask`.
+
+It also advances its epoch by itself: every new iteration uses the next
+epoch's shuffle, so a forgotten ``set_epoch`` cannot repeat the same order.
+``set_epoch`` still works and wins when called.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+from .errors import ParallelxError
+
+
+class ShardedSampler(Sampler[int]):
+    """Shard ``dataset`` over ``num_replicas`` ranks, padding to equal length.
+
+    The global order is a permutation of ``range(len(dataset))`` (seeded by
+    ``seed + epoch``, identical on every rank) or the identity when
+    ``shuffle=False``; it is padded by repeating its head (or truncated when
+    ``drop_last``) to a multiple of ``num_replicas``, and rank ``r`` takes
+    positions ``r, r + W, r + 2W, ...``.  Position ``p`` of the padded list is
+    padding exactly when ``p >= len(dataset)``, so the real samples of each rank
+    come first and number :attr:`num_real`.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas < 1:
+            raise ParallelxError(f"num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ParallelxError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.dataset_size = len(dataset)
+        if self.dataset_size == 0:
+            raise ParallelxError("cannot shard an empty dataset")
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        if drop_last:
+            self.num_samples = self.dataset_size // num_replicas
+            if self.num_samples == 0:
+                raise ParallelxError(
+                    f"drop_last=True with {self.dataset_size} samples and {num_replicas} ranks "
+                    "leaves every rank empty; use drop_last=False or fewer ranks"
+                )
+        else:
+            self.num_samples = math.ceil(self.dataset_size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        # Real positions of this rank: p = rank + i * W < dataset_size.
+        real = max(0, math.ceil((self.dataset_size - rank) / num_replicas))
+        self.num_real = min(self.num_samples, real)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s shuffle for the next iteration (then count on from it)."""
+        self.epoch = int(epoch)
+
+    def global_order(self, epoch: int) -> list[int]:
+        """The padded global index list for ``epoch`` (same on every rank)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_size, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        if self.total_size > len(order):
+            pad = self.total_size - len(order)
+            order += (order * math.ceil(pad / len(order)))[:pad]
+        return order[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.epoch
+        self.epoch += 1  # the next iteration is the next epoch, set_epoch or not
+        return iter(self.global_order(epoch)[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,24 @@
+"""Small backend-agnostic helpers."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices).  Use the same seed on every
+    rank so that every rank builds the same initial model."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def threads_per_process(local_world_size: int) -> int:
+    """CPU threads for each of ``local_world_size`` processes on one machine, so
+    that together they do not oversubscribe the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))

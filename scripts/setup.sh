@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create .venv and install parallelx with every backend, Horovod included.
+# Idempotent: a second run on the same machine only checks and returns.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${PARALLELX_VENV:-.venv}"
+PY="$VENV/bin/python"
+start=$(date +%s)
+
+if [ ! -x "$PY" ]; then
+    echo "[setup] creating $VENV"
+    python3 -m venv "$VENV"
+fi
+
+# Re-install only when the inputs of the install changed.
+stamp="$VENV/.parallelx-installed"
+want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "[setup] $VENV is up to date"
+    exit 0
+fi
+
+"$PY" -m pip install --quiet --upgrade pip wheel setuptools
+echo "[setup] installing torch, torchvision, deepspeed and parallelx (about 2 minutes from fresh)"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,bench,dev]"
+echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
+"$PY" scripts/build_horovod.py
+"$VENV/bin/horovodrun" --check-build | tee /dev/stderr | grep -q "\[X\] PyTorch" \
+    || { echo "[setup] horovod was built without PyTorch support" >&2; exit 1; }
+
+# DeepSpeed JIT-compiles a shared-memory op for CPU communication on first
+# use (~40 s, cached in ~/.cache/torch_extensions).  Build it here, in one
+# process, rather than in two ranks racing at the first launch.
+"$PY" - <<'PYEOF' || echo "[setup] warning: could not pre-build DeepSpeed's CPU comm op" >&2
+from deepspeed.accelerator import get_accelerator
+if get_accelerator().device_name() == "cpu":
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+PYEOF
+
+echo "$want" > "$stamp"
+echo "[setup] done in $(( $(date +%s) - start )) s"

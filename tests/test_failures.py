@@ -1,0 +1,79 @@
+"""Failures must end the job, not hang it: a rank that raises, a rank that
+stalls past the collective timeout, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launching import ROOT, launch, require_launcher
+from test_distributed import BLOCK_BACKEND_PACKAGES
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher,backend", [("torchrun", "ddp"), ("horovodrun", "horovod"),
+                                              ("deepspeed", "deepspeed")])
+def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
+    require_launcher(launcher)
+    res = launch(launcher, ["tests/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
+                            "--scenario", "raise"], timeout=180)
+    assert res.returncode != 0
+    assert "rank 1 fails on purpose" in res.output
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher,backend", [("torchrun", "ddp"), ("deepspeed", "deepspeed")])
+def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
+    require_launcher(launcher)
+    # Rank 1 sleeps 120 s; rank 0's all_reduce must give up after the 5 s timeout.
+    res = launch(launcher, ["tests/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
+                            "--scenario", "stall", "--timeout", "5"], timeout=110)
+    assert res.returncode != 0
+    report = json.loads((tmp_path / "stall0.json").read_text())
+    assert report["waited"] < 60, report
+    assert "timed out" in report["error"].lower() or "timeout" in report["error"].lower(), report
+
+
+def run_worker(args: list[str], prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    code = prelude + "\nimport runpy, sys\nsys.argv = ['dist_worker.py'] + sys.argv[1:]\n" \
+                     "runpy.run_path('tests/dist_worker.py', run_name='__main__')\n"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=env)
+
+
+def test_unknown_backend_lists_the_valid_ones(tmp_path):
+    proc = run_worker(["--backend", "mpi", "--out", str(tmp_path)])
+    assert proc.returncode == 2
+    assert "unknown backend 'mpi'" in proc.stderr
+    for name in ("single", "dp", "ddp", "horovod", "deepspeed", "auto"):
+        assert name in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend,hint", [("horovod", "scripts/build_horovod.py"),
+                                          ("deepspeed", "pip install 'deepspeed")])
+def test_missing_package_gives_the_install_command(backend, hint, tmp_path):
+    proc = run_worker(["--backend", backend, "--out", str(tmp_path)], prelude=BLOCK_BACKEND_PACKAGES)
+    assert proc.returncode == 2, proc.stderr
+    assert f"backend '{backend}' is unavailable" in proc.stderr
+    assert hint in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_deepspeed_outside_its_launcher_says_how_to_launch(tmp_path):
+    proc = run_worker(["--backend", "deepspeed", "--out", str(tmp_path)])
+    assert proc.returncode == 2
+    assert "deepspeed --num_gpus" in proc.stderr
+
+
+def test_ddp_outside_a_launcher_runs_as_a_world_of_one(tmp_path):
+    proc = run_worker(["--backend", "ddp", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    assert "torchrun --nproc-per-node" in proc.stderr  # says how to get more processes
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["world_size"] == 1 and report["max_rel_err_vs_single"] < 1e-6
