@@ -48,7 +48,8 @@ class DDPBackend(ProcessGroupBackend):
         import torch.distributed as dist
 
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        self._limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", self._world_size)))
+        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self._world_size))
+        self._limit_cpu_threads(self._local_world_size)
         self._initialized = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ accelerator and communicates over Gloo.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import importlib.util
@@ -116,6 +117,23 @@ class DeepSpeedBackend(ProcessGroupBackend):
         cfg.setdefault("steps_per_print", 2**31 - 1)
         return cfg
 
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("deepspeed")
+        group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                           help="ZeRO stage (default: the config file's, else 0)")
+        group.add_argument("--deepspeed-config", default=None, metavar="JSON",
+                           help="a DeepSpeed config file; explicit options override it")
+        # The deepspeed launcher appends --local_rank=N to the script's argv.
+        group.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+    @classmethod
+    def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        options = super().options_from_args(args)
+        options.update(zero_stage=getattr(args, "zero_stage", None), config=getattr(args, "deepspeed_config", None),
+                       micro_batch_size=getattr(args, "batch_size", None))
+        return options
+
     @property
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
@@ -150,7 +168,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         import torch.distributed as dist
 
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        self._limit_cpu_threads(int(os.environ.get("LOCAL_SIZE", self._world_size)))
+        self._local_world_size = int(os.environ.get("LOCAL_SIZE", self._world_size))
+        self._limit_cpu_threads(self._local_world_size)
         self._initialized = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

@@ -66,7 +66,8 @@ class HorovodBackend(Backend):
         if torch.cuda.is_available() and hvd.nccl_built():
             torch.cuda.set_device(self._local_rank)
             self._device = torch.device("cuda", self._local_rank)
-        self._limit_cpu_threads(hvd.local_size())
+        self._local_world_size = hvd.local_size()
+        self._limit_cpu_threads(self._local_world_size)
         self._model: nn.Module | None = None
         self._initialized = True
 

@@ -24,6 +24,7 @@ their backend's methods, never at module import.
 from __future__ import annotations
 
 import abc
+import argparse
 import datetime as _dt
 import os
 import sys
@@ -91,6 +92,7 @@ class Backend(abc.ABC):
         self._rank = 0
         self._world_size = 1
         self._local_rank = 0
+        self._local_world_size = 1
         self._device = torch.device("cpu")
 
     # ------------------------------------------------------------------ info
@@ -108,6 +110,11 @@ class Backend(abc.ABC):
     def local_rank(self) -> int:
         """Rank of this process on its machine."""
         return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of this job's processes on this machine (to share its CPUs)."""
+        return self._local_world_size
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +140,17 @@ class Backend(abc.ABC):
         """How strongly the environment says this process was started for this
         backend (0 = not at all).  ``get_backend("auto")`` picks the highest."""
         return 0
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this backend's own command-line options (called for every
+        backend, so a script accepts all of them whichever backend runs)."""
+
+    @classmethod
+    def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """Constructor options for this backend from parsed command-line args."""
+        timeout = getattr(args, "timeout", None)
+        return {} if timeout is None else {"timeout": timeout}
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -1,0 +1,211 @@
+"""The training engine shared by the recipes: epochs of train and val phases
+on any parallelx backend.
+
+What it gets right on every backend:
+- global loss and accuracy count every sample exactly once (the sampler's
+  padding duplicates are masked out, sums are all-reduced), so they equal what
+  one process computes with the same weights;
+- the shuffle changes every epoch (the sampler advances itself);
+- progress bars and console output on the main rank only;
+- ``optimizer.zero_grad()`` after every step;
+- data-loader workers sized per process, not ``cpu_count()`` in every process;
+- the best model (by val accuracy) is saved by *every* rank calling
+  ``backend.save`` (a collective under ZeRO-3), written once by the main rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from parallelx import Backend, MetricSums, real_mask
+from parallelx.errors import ParallelxError
+from parallelx.utils import threads_per_process
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    epochs: int
+    batch_size: int
+    out_dir: Path
+    seed: int = 0
+    num_workers: int | None = None
+    max_steps: int | None = None  # per epoch: cap for quick runs
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ParallelxError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ParallelxError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ParallelxError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ParallelxError(f"--max-steps must be >= 1, got {self.max_steps}")
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """Loader workers per process: this process's share of the cores, less
+    the one that trains, at most 8.  0 (load in the training process) when a
+    process has a single core: more workers would only fight over it."""
+    return min(8, threads_per_process(local_world_size) - 1)
+
+
+def _loader(backend: Backend, dataset: Dataset, cfg: FitConfig, *, train: bool) -> DataLoader:
+    workers = default_num_workers(backend.local_world_size) if cfg.num_workers is None else cfg.num_workers
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=backend.make_sampler(dataset, shuffle=train, seed=cfg.seed),
+        num_workers=workers,
+        pin_memory=backend.device.type == "cuda",
+        persistent_workers=workers > 0,
+        # Random augmentations must differ between ranks; the shuffle must not.
+        generator=torch.Generator().manual_seed(cfg.seed + 1000 * backend.rank),
+    )
+
+
+def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion: Callable[..., torch.Tensor], *,
+              optimizer: Any = None, desc: str = "", max_steps: int | None = None) -> dict[str, float]:
+    """One pass over ``loader``: trains when ``optimizer`` is given, else
+    evaluates.  Returns the global ``loss``, ``acc``, ``count`` and ``seconds``.
+    ``criterion`` must return per-sample losses (``reduction="none"``)."""
+    train = optimizer is not None
+    model.train(train)
+    sums = MetricSums()
+    seen = 0  # position in this rank's shard, for the padding mask
+    steps = len(loader) if max_steps is None else min(len(loader), max_steps)
+    start = time.perf_counter()
+    bar = tqdm(loader, total=steps, desc=desc, disable=not backend.is_main(), leave=False, dynamic_ncols=True,
+                mininterval=1.0)
+    with torch.set_grad_enabled(train):
+        for step, (x, y) in enumerate(bar):
+            if step >= steps:
+                break
+            x = x.to(backend.device, non_blocking=True)
+            y = y.to(backend.device, non_blocking=True)
+            out = model(x)
+            per_sample = criterion(out, y)
+            if train:
+                backend.backward(per_sample.mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            sums.update(per_sample, out.argmax(1) == y, real_mask(loader.sampler, seen, len(y)))
+            seen += len(y)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{per_sample.mean().item():.4f}")
+    bar.close()
+    result = sums.compute(backend)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, val_set: Dataset,
+        cfg: FitConfig, *, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train for ``cfg.epochs``; write ``best.pth``, ``history.csv``,
+    ``metrics.json`` and ``training_results.png`` into ``cfg.out_dir``.
+    Returns the final metrics (on every rank)."""
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    train_loader = _loader(backend, train_set, cfg, train=True)
+    val_loader = _loader(backend, val_set, cfg, train=False)
+    out = Path(cfg.out_dir)
+    if backend.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+    history: list[dict[str, float]] = []
+    best_acc, best_epoch = -1.0, 0
+    since = time.perf_counter()
+    backend.print(f"backend={backend.name} world_size={backend.world_size} device={backend.device} "
+                  f"train={len(train_set)} val={len(val_set)} batch/process={cfg.batch_size} "
+                  f"workers/process={train_loader.num_workers}")
+    for epoch in range(1, cfg.epochs + 1):
+        backend.print(f"Epoch {epoch}/{cfg.epochs}\n" + "-" * 10)
+        tr = run_epoch(backend, model, train_loader, criterion, optimizer=optimizer,
+                       desc=f"train {epoch}", max_steps=cfg.max_steps)
+        backend.print(f"train Loss: {tr['loss']:.4f} Acc: {tr['acc']:.4f}")
+        va = run_epoch(backend, model, val_loader, criterion, desc=f"val {epoch}")
+        backend.print(f"val Loss: {va['loss']:.4f} Acc: {va['acc']:.4f}")
+        history.append({
+            "epoch": epoch, "train_loss": tr["loss"], "train_acc": tr["acc"], "val_loss": va["loss"],
+            "val_acc": va["acc"], "epoch_time_s": tr["seconds"] + va["seconds"],
+            "train_images_per_s": tr["count"] / tr["seconds"], "val_images_per_s": va["count"] / va["seconds"],
+        })
+        # val acc is all-reduced, so every rank takes this branch together:
+        # the save below is collective and must be called by all of them.
+        if va["acc"] > best_acc:
+            best_acc, best_epoch = va["acc"], epoch
+            backend.save(model, out / "best.pth")
+        if backend.is_main():
+            _write_history(out, history)
+    total = time.perf_counter() - since
+    metrics = {
+        "best_val_acc": best_acc, "best_epoch": best_epoch,
+        "final_val_loss": history[-1]["val_loss"], "final_val_acc": history[-1]["val_acc"],
+        "total_time_s": total, "backend": backend.name, "world_size": backend.world_size,
+        "train_images_per_s": sum(h["train_images_per_s"] for h in history) / len(history),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        **(run_info or {}),
+    }
+    if backend.is_main():
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        _plot(out / "training_results.png", history)
+    backend.print(f"Training complete in {int(total // 60)}m {int(total % 60)}s")
+    backend.print(f"Best val Acc: {best_acc:.4f}")
+    backend.print(f"outputs in {out.resolve()}")
+    backend.barrier()
+    return metrics
+
+
+def _write_history(out: Path, history: list[dict[str, float]]) -> None:
+    import pandas as pd
+
+    tmp = out / "history.csv.tmp"
+    pd.DataFrame(history).to_csv(tmp, index=False)
+    os.replace(tmp, out / "history.csv")
+
+
+def _plot(path: Path, history: list[dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in ((ax_acc, "acc"), (ax_loss, "loss")):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], "o-", label="train")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], "o-", label="val")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(key)
+        ax.set_title(f"{key}: train vs val")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def evaluate_state_dict(model: nn.Module, dataset: Dataset, batch_size: int = 256) -> dict[str, float]:
+    """Single-process evaluation of ``model`` on ``dataset`` (no backend):
+    the reference the distributed val figures must equal."""
+    model.eval()
+    sums = MetricSums()
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=batch_size):
+            out = model(x)
+            sums.update(criterion(out, y), out.argmax(1) == y)
+    return sums.compute()
+
+
+def steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
+    return math.ceil(math.ceil(n / world_size) / batch_size)
