@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import importlib.util
 import json
 import logging
 import os
@@ -73,7 +72,8 @@ class DeepSpeedOptimizer:
 
 class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
-    requires = "deepspeed==0.19.8"
+    requires_module = "deepspeed"
+    install_hint = INSTALL_HINT
 
     def __init__(self, *, zero_stage: int | None = None, micro_batch_size: int | None = None,
                  config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
@@ -142,14 +142,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
         launched = "CROSS_RANK" in environ or any(a.startswith(("--local_rank", "--local-rank")) for a in argv[1:])
         return 20 if launched and "RANK" in environ and "TORCHELASTIC_RUN_ID" not in environ else 0
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            found = importlib.util.find_spec("deepspeed") is not None
-        except (ImportError, ValueError):
-            found = False
-        return None if found else f"the deepspeed package is not installed; {INSTALL_HINT}"
 
     def init(self) -> None:
         try:

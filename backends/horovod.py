@@ -10,7 +10,6 @@ and rank 0's initial parameters and optimizer state are broadcast.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -27,19 +26,12 @@ INSTALL_HINT = "build and install it with `python scripts/build_horovod.py` (Hor
 
 class HorovodBackend(Backend):
     name = "horovod"
-    requires = "horovod==0.28.1"
+    requires_module = "horovod"
+    install_hint = INSTALL_HINT
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
         return 20 if "HOROVOD_RANK" in environ else 0
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            found = importlib.util.find_spec("horovod") is not None
-        except (ImportError, ValueError):
-            found = False
-        return None if found else f"the horovod package is not installed; {INSTALL_HINT}"
 
     def init(self) -> None:
         # Horovod reads its timeouts from the environment: the Gloo rendezvous

@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import argparse
 import datetime as _dt
+import importlib.util
 import os
 import sys
 import tempfile
@@ -77,8 +78,9 @@ class Backend(abc.ABC):
 
     #: Registry name, e.g. ``"ddp"``.
     name: ClassVar[str] = ""
-    #: The pip requirement that provides this backend's package, if any.
-    requires: ClassVar[str | None] = None
+    #: The importable package this backend needs, if any, and how to install it.
+    requires_module: ClassVar[str | None] = None
+    install_hint: ClassVar[str] = ""
 
     def __init__(self, *, timeout: float | None = None, verbose: bool = True) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
@@ -155,8 +157,14 @@ class Backend(abc.ABC):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Why this backend cannot run here, or None when it can.
-        Must not import the backend's heavy package."""
-        return None
+        Must not import the backend's heavy package (``find_spec`` only looks)."""
+        if cls.requires_module is None:
+            return None
+        try:
+            found = importlib.util.find_spec(cls.requires_module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"the {cls.requires_module} package is not installed; {cls.install_hint}"
 
     # ------------------------------------------------------------ lifecycle
     @abc.abstractmethod

@@ -26,8 +26,11 @@ echo "[setup] installing torch, torchvision, deepspeed and parallelx (about 2 mi
 "$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,bench,dev]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
-"$VENV/bin/horovodrun" --check-build | tee /dev/stderr | grep -q "\[X\] PyTorch" \
-    || { echo "[setup] horovod was built without PyTorch support" >&2; exit 1; }
+check=$("$VENV/bin/horovodrun" --check-build)
+echo "$check"
+for need in PyTorch Gloo; do
+    grep -q "\[X\] $need" <<<"$check" || { echo "[setup] horovod was built without $need support" >&2; exit 1; }
+done
 
 # DeepSpeed JIT-compiles a shared-memory op for CPU communication on first
 # use (~40 s, cached in ~/.cache/torch_extensions).  Build it here, in one
