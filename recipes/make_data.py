@@ -40,7 +40,7 @@ def _cifar_images(labels: np.ndarray, templates: np.ndarray, rng: np.random.Gene
     imgs = np.empty_like(base)
     for i in range(n):
         imgs[i] = np.roll(base[i], tuple(shifts[i]), axis=(0, 1))
-    imgs = 128 + 55 * imgs * rng.uniform(0.7, 1.3, size=(n, 1, 1, 1)) + rng.normal(0, 40, size=imgs.shape)
+    imgs = 128 + 45 * imgs * rng.uniform(0.7, 1.3, size=(n, 1, 1, 1)) + rng.normal(0, 90, size=imgs.shape)
     imgs = np.clip(imgs, 0, 255).astype(np.uint8)
     return imgs.transpose(0, 3, 1, 2).reshape(n, 3072)  # CHW planes, as the official rows
 

@@ -20,6 +20,8 @@ CASES = {
     "horovod-horovodrun": ("horovodrun", "horovod", []),
     "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
     "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
+    # ZeRO-3 shards the parameters themselves: saving must gather them collectively.
+    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
 }
 # Relative tolerance on the weights after 3 SGD steps: only the order of float
 # additions differs (gradient averaging across ranks), ~1e-7 is typical.
