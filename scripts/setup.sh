@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 VENV="${PARALLELX_VENV:-.venv}"
 PY="$VENV/bin/python"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
 start=$(date +%s)
 
 if [ ! -x "$PY" ]; then

@@ -1,0 +1,63 @@
+"""The benchmark workload through parallelx: one script for every backend.
+
+    torchrun --nproc-per-node 2 -m benchmarks.px_worker --backend ddp --out /tmp/bench
+    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.px_worker --backend horovod --out /tmp/bench
+    deepspeed --num_gpus 2 --module benchmarks.px_worker --backend deepspeed --out /tmp/bench
+
+``benchmarks.run`` starts it with ``--plan plan.json`` (several cases in one
+launch).  The training step is the one parallelx documents:
+``backend.backward(loss); optimizer.step(); optimizer.zero_grad()``.
+Compare with ``raw_ddp.py``, ``raw_horovod.py`` and ``raw_deepspeed.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch import nn
+
+import parallelx
+from parallelx.cli import exit_on_error
+
+from benchmarks import workload
+
+
+@exit_on_error
+@workload.exit_on_bench_error
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", required=True, choices=[b for b in parallelx.available_backends() if b != "auto"])
+    args, plan = workload.worker_args(lambda a: f"px-{a.backend}", parser)
+
+    options = {}
+    if args.backend == "deepspeed":
+        # DeepSpeed's config wants the per-process batch; only its bookkeeping
+        # reads it (the data is ours), so the first case's value serves all.
+        options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0}
+    backend = parallelx.get_backend(args.backend, **options)
+    backend.init()
+    for case in plan.cases:
+        workload.apply_threads(plan, case)
+        base = workload.build_model(case)
+        model, optimizer = backend.setup(base, workload.make_optimizer(base, case))
+        batches = workload.synthetic_batches(case, backend.rank, backend.device)
+        workload.seed_steps(case, backend.rank)
+        times: list[float] = []
+        for x, y in workload.timed_steps(case, batches, backend.device, times):
+            loss = nn.functional.cross_entropy(model(x), y)
+            backend.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        # A collective on sharding backends: every rank takes part.
+        weights = backend.model_state_dict(model) if case.save_weights else None
+        workload.record(plan, case, rank=backend.rank, world_size=backend.world_size, device=backend.device,
+                        times=times, loss=loss, weights=weights)
+        del model, optimizer, base, batches, weights
+        workload.release(backend.device)
+    backend.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

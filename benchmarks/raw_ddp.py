@@ -1,0 +1,62 @@
+"""The benchmark workload in plain PyTorch DDP, written as the PyTorch DDP
+tutorial shows it (no parallelx).
+
+    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --out /tmp/bench
+
+Model, optimizer, synthetic data, seeds and timing come from
+``benchmarks.workload`` so that the work equals ``px_worker --backend ddp``;
+everything distributed below is plain ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks import workload
+
+
+@workload.exit_on_bench_error
+def main() -> int:
+    _, plan = workload.worker_args("raw-ddp")
+
+    # torchrun exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    for case in plan.cases:
+        workload.apply_threads(plan, case)
+        model = workload.build_model(case).to(device)
+        ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        optimizer = workload.make_optimizer(ddp_model, case)
+        batches = workload.synthetic_batches(case, rank, device)
+        workload.seed_steps(case, rank)
+        times: list[float] = []
+        for x, y in workload.timed_steps(case, batches, device, times):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(ddp_model(x), y)
+            loss.backward()
+            optimizer.step()
+        weights = model.state_dict() if case.save_weights else None
+        workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
+                        weights=weights)
+        del model, ddp_model, optimizer, batches, weights
+        workload.release(device)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

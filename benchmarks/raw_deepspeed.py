@@ -1,0 +1,65 @@
+"""The benchmark workload in plain DeepSpeed, written as DeepSpeed's
+"Getting Started" guide shows it (no parallelx).
+
+    deepspeed --num_gpus 2 --module benchmarks.raw_deepspeed --out /tmp/bench
+
+Model, optimizer, synthetic data, seeds and timing come from
+``benchmarks.workload`` so that the work equals ``px_worker --backend deepspeed``:
+ZeRO stage 0, fp32, the client's ``torch.optim.SGD`` handed to
+``deepspeed.initialize``.  Without a GPU DeepSpeed picks its CPU accelerator
+(Gloo) by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch import nn
+
+from benchmarks import workload
+
+
+@workload.exit_on_bench_error
+def main() -> int:
+    import deepspeed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = deepspeed.add_config_arguments(parser)
+    args, plan = workload.worker_args("raw-deepspeed", parser)
+
+    deepspeed.init_distributed()
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for case in plan.cases:
+        workload.apply_threads(plan, case)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": case.batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 0},
+            "steps_per_print": 10**9,  # no progress lines inside the timed loop
+        }
+        model = workload.build_model(case)
+        optimizer = workload.make_optimizer(model, case)
+        model_engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                                             config=ds_config)
+        device = model_engine.device
+        batches = workload.synthetic_batches(case, rank, device)
+        workload.seed_steps(case, rank)
+        times: list[float] = []
+        for x, y in workload.timed_steps(case, batches, device, times):
+            loss = nn.functional.cross_entropy(model_engine(x), y)
+            model_engine.backward(loss)
+            model_engine.step()
+        weights = model_engine.module.state_dict() if case.save_weights else None
+        workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
+                        weights=weights)
+        del model, model_engine, optimizer, batches, weights
+        workload.release(device)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

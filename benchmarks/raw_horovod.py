@@ -1,0 +1,60 @@
+"""The benchmark workload in plain Horovod, written as Horovod's PyTorch
+guide and its ``pytorch_mnist.py`` example show it (no parallelx).
+
+    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.raw_horovod --out /tmp/bench
+
+Model, optimizer, synthetic data, seeds and timing come from
+``benchmarks.workload`` so that the work equals ``px_worker --backend horovod``.
+One deliberate difference from the guide: the learning rate is *not* scaled
+by ``hvd.size()``, so that the math is that of DDP and of parallelx.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from benchmarks import workload
+
+
+@workload.exit_on_bench_error
+def main() -> int:
+    _, plan = workload.worker_args("raw-horovod")
+    import horovod.torch as hvd
+
+    hvd.init()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        device = torch.device("cpu")
+
+    for case in plan.cases:
+        # The guide limits each worker's CPU threads; the plan says how many.
+        workload.apply_threads(plan, case)
+        model = workload.build_model(case).to(device)
+        optimizer = workload.make_optimizer(model, case)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+        batches = workload.synthetic_batches(case, hvd.rank(), device)
+        workload.seed_steps(case, hvd.rank())
+        times: list[float] = []
+        for x, y in workload.timed_steps(case, batches, device, times):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        weights = model.state_dict() if case.save_weights else None
+        workload.record(plan, case, rank=hvd.rank(), world_size=hvd.size(), device=device, times=times, loss=loss,
+                        weights=weights)
+        del model, optimizer, batches, weights
+        workload.release(device)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

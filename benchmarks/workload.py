@@ -1,0 +1,268 @@
+"""The workload every benchmark worker runs, shared so that the work is
+identical: the plan (cases to run), the model, the optimizer, the synthetic
+batches, the step timer and the per-rank result files.
+
+Nothing here is distributed: each worker script (``px_worker`` through
+parallelx, ``raw_*`` through its framework directly) owns its process group,
+its wrapping and its training step.  This module only supplies the inputs and
+records the timings, so a difference between two workers' step times is the
+difference between their training paths.
+
+A worker takes either ``--plan plan.json`` (written by ``benchmarks.run``) or
+one case on the command line::
+
+    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --model lenet --batch 256 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Classes and training-set sizes of the real datasets the synthetic batches
+#: stand in for (CIFAR-10: 50,000 training images; Kaggle Dogs-vs-Cats: the
+#: 80 % training split of its 25,000 images, as recipes/dogcat.py uses it).
+MODELS: dict[str, dict[str, int]] = {
+    "lenet": {"classes": 10, "train_images": 50_000},
+    "vgg16": {"classes": 2, "train_images": 20_000},
+}
+#: Distinct synthetic batches per rank, cycled through: enough that no step
+#: sees the same input as the one before, few enough to stay in memory.
+POOL = 4
+
+
+class BenchError(RuntimeError):
+    """A usage or environment problem, reported as one line without a traceback."""
+
+
+def exit_on_bench_error(fn: Callable[..., int]) -> Callable[..., int]:
+    """Run a ``main``; a :class:`BenchError` becomes its message on stderr and
+    exit status 2 (other exceptions keep their traceback)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> int:
+        try:
+            return fn(*args, **kwargs)
+        except BenchError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One measured configuration: a model at a batch size for a number of steps."""
+
+    model: str
+    batch: int  # images per process per step
+    image_size: int
+    warmup: int  # steps run but not timed (first-step allocations, DDP bucket set-up)
+    steps: int  # timed steps
+    lr: float
+    seed: int = 0
+    save_weights: bool = False
+    threads: int | None = None  # torch threads for this case (default: the plan's)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise BenchError(f"unknown model {self.model!r}; expected one of {', '.join(MODELS)}")
+        if self.batch < 1 or self.steps < 1 or self.warmup < 0:
+            raise BenchError(f"{self.id}: need batch >= 1, steps >= 1 and warmup >= 0, "
+                             f"got batch={self.batch} steps={self.steps} warmup={self.warmup}")
+        if self.model == "lenet" and self.image_size != 32:
+            raise BenchError(f"LeNet takes 32x32 CIFAR-10 images, got image size {self.image_size}")
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.image_size}px-b{self.batch}" + (f"-t{self.threads}" if self.threads else "")
+
+    @property
+    def classes(self) -> int:
+        return MODELS[self.model]["classes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one launch runs: every case in order, in every process."""
+
+    impl: str  # e.g. "raw-ddp", "px-horovod"
+    nproc: int  # expected world size: a launcher that starts fewer is an error
+    threads: int  # torch threads per process
+    out: str  # directory for the result files
+    cases: list[Case] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        raw = json.loads(Path(path).read_text())
+        return cls(impl=raw["impl"], nproc=raw["nproc"], threads=raw["threads"], out=raw["out"],
+                   cases=[Case(**c) for c in raw["cases"]])
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+
+def worker_args(impl: str | Callable[[argparse.Namespace], str],
+                parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, Plan]:
+    """Parse a worker's command line into its plan: ``--plan FILE``, or a
+    single case from ``--model/--batch/...`` for running a worker by hand
+    (then ``impl``, or ``impl(args)``, names the results)."""
+    p = parser or argparse.ArgumentParser()
+    p.add_argument("--plan", help="plan file written by benchmarks.run (overrides the single-case options)")
+    p.add_argument("--model", choices=sorted(MODELS), default="lenet")
+    p.add_argument("--batch", type=int, default=256, help="images per process per step")
+    p.add_argument("--image-size", type=int, default=None, help="default: 32 for lenet, 64 for vgg16")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: cores // processes on this machine)")
+    p.add_argument("--save-weights", action="store_true")
+    p.add_argument("--out", default="bench-out")
+    # The deepspeed launcher appends --local_rank=N to every worker's argv.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.plan:
+        return args, Plan.load(args.plan)
+    nproc = int(os.environ.get("WORLD_SIZE", os.environ.get("HOROVOD_SIZE", "1")))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", str(nproc))))
+    threads = args.threads or max(1, cpu_cores() // max(1, local))
+    size = args.image_size or (32 if args.model == "lenet" else 64)
+    case = Case(model=args.model, batch=args.batch, image_size=size, warmup=args.warmup, steps=args.steps,
+                lr=args.lr, save_weights=args.save_weights)
+    name = impl(args) if callable(impl) else impl
+    return args, Plan(impl=name, nproc=nproc, threads=threads, out=args.out, cases=[case])
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def apply_threads(plan: Plan, case: Case | None = None) -> None:
+    """Give this process the plan's (or the case's own) number of intra-op
+    threads.  The launcher already exported OMP_NUM_THREADS; setting torch's
+    pool explicitly as well makes every worker equal whatever its framework
+    does with that variable."""
+    torch.set_num_threads(case.threads if case is not None and case.threads else plan.threads)
+
+
+def build_model(case: Case) -> nn.Module:
+    """The recipes' model, with the same initial weights in every process and
+    every worker (seeded here, just before construction)."""
+    from recipes.models import LeNet, check_vgg_image_size, vgg16_for_dogcat
+
+    torch.manual_seed(case.seed)
+    if case.model == "lenet":
+        return LeNet(num_classes=case.classes)
+    check_vgg_image_size(case.image_size)
+    return vgg16_for_dogcat(num_classes=case.classes)
+
+
+def make_optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
+    # Momentum so that a backend that changed the update would show in the
+    # weights; no weight decay, because Horovod's documented
+    # broadcast_optimizer_state() takes a zero-gradient step on a fresh
+    # optimizer, which weight decay would turn into a real (different) update.
+    return torch.optim.SGD(model.parameters(), lr=case.lr, momentum=0.9)
+
+
+def synthetic_batches(case: Case, rank: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``POOL`` batches of normalised random images and labels for ``rank``,
+    already on ``device``: the input pipeline is kept out of the step time
+    (``benchmarks.loader_bench`` measures it separately).  A private generator
+    leaves torch's global random state alone."""
+    out = []
+    for i in range(POOL):
+        g = torch.Generator().manual_seed(case.seed * 1_000_003 + i * 1009 + rank)
+        x = torch.randn(case.batch, 3, case.image_size, case.image_size, generator=g)
+        y = torch.randint(0, case.classes, (case.batch,), generator=g)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def seed_steps(case: Case, rank: int) -> None:
+    """Seed the global generator right before the first step, so that dropout
+    (VGG16) draws the same masks in every worker whatever its set-up consumed."""
+    torch.manual_seed(case.seed + 7919 * (rank + 1))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                times: list[float]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``warmup + steps`` batches; the time from each yield to the next
+    request (the loop body: one full training step, synchronised on GPUs) is
+    appended to ``times`` for the timed steps only."""
+    for i in range(case.warmup + case.steps):
+        start = time.perf_counter()
+        yield batches[i % len(batches)]
+        synchronize(device)
+        if i >= case.warmup:
+            times.append(time.perf_counter() - start)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def result_path(out: str | os.PathLike[str], impl: str, case: Case, rank: int) -> Path:
+    return Path(out) / f"{impl}.{case.id}.rank{rank}.json"
+
+
+def weights_path(out: str | os.PathLike[str], impl: str, case: Case) -> Path:
+    return Path(out) / f"{impl}.{case.id}.weights.pt"
+
+
+def record(plan: Plan, case: Case, *, rank: int, world_size: int, device: torch.device, times: list[float],
+           loss: torch.Tensor, weights: dict[str, torch.Tensor] | None, extra: dict[str, Any] | None = None) -> None:
+    """Write this rank's measurements of ``case`` (and, on rank 0, the final
+    weights when the case asks for them)."""
+    if world_size != plan.nproc:
+        raise BenchError(f"{plan.impl}: the launcher started {world_size} processes, the plan expects {plan.nproc}; "
+                         "check the launcher's process-count flag")
+    out = Path(plan.out)
+    out.mkdir(parents=True, exist_ok=True)
+    median = statistics.median(times)
+    report = {
+        "impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
+        "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "device": str(device), "step_times_s": times, "median_step_s": median,
+        "images_per_s": world_size * case.batch / median,
+        "epoch_s_projected": math.ceil(MODELS[case.model]["train_images"] / (world_size * case.batch)) * median,
+        "peak_rss_mib": peak_rss_mib(),
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "final_loss": float(loss.detach().float().cpu()),
+        **(extra or {}),
+    }
+    result_path(out, plan.impl, case, rank).write_text(json.dumps(report))
+    if weights is not None and rank == 0:
+        torch.save({k: v.detach().to("cpu") for k, v in weights.items()}, weights_path(out, plan.impl, case))
+
+
+def release(device: torch.device) -> None:
+    """Free what one case left behind before the next one is measured."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
