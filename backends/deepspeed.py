@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelx.backend import ProcessGroupBackend, _to_cpu, warn
+from parallelx.backend import ProcessGroupBackend, warn
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
@@ -203,14 +203,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
             yield
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        module = self.unwrap(model)
-        with self._gathered(module):
-            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        with self._gathered(self.unwrap(model)):
+            return super().model_state_dict(model)
 
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
-        if self.zero_stage == 0:
-            inner = optimizer.optimizer if isinstance(optimizer, DeepSpeedOptimizer) else optimizer
-            return _to_cpu(inner.state_dict())
+        if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
+            return super().optimizer_state_dict(optimizer)
         warn(f"deepspeed: under ZeRO stage {self.zero_stage} the optimizer state is sharded across ranks "
              "and has no portable form; the checkpoint keeps None in its place (the weights are complete)")
         return None

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from parallelx.backend import Backend, ReduceOp, check_op
+from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, ParallelxError
 
 T = TypeVar("T")
@@ -96,18 +96,13 @@ class HorovodBackend(Backend):
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
         return dist_opt
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        check_op(op)
+    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
+        return self.device
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         self._require_init()
         hvd = self.hvd
-        out = tensor.detach().to(self.device, copy=True)
-        if op == "mean" and not out.is_floating_point():
-            out = out.double()
-        red = {"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
-        out = hvd.allreduce(out, op=red)
-        if op == "mean":
-            out = out / self.world_size
-        return out.to(tensor.device)
+        return hvd.allreduce(tensor, op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
 
     def barrier(self) -> None:
         self._require_init()

@@ -240,10 +240,23 @@ class Backend(abc.ABC):
         on ``tensor``'s device; the input is left unchanged).  ``mean`` of an
         integer tensor is returned as float."""
         check_op(op)
-        out = tensor.detach().clone()
+        out = tensor.detach().to(self._comm_device(tensor), copy=True)
         if op == "mean" and not out.is_floating_point():
             out = out.double()
-        return out
+        # Gloo has no AVG: every backend sums and divides, so mean means the same everywhere.
+        out = self._reduce(out, "sum" if op == "mean" else op)
+        if op == "mean":
+            out = out / self.world_size
+        return out.to(tensor.device)
+
+    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
+        """Where collectives need ``tensor`` to be."""
+        return tensor.device
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``tensor`` (``sum``, ``max`` or ``min``) over all ranks; may work
+        in place.  A world of one has nothing to reduce."""
+        return tensor
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
@@ -326,35 +339,25 @@ class ProcessGroupBackend(Backend):
         dist.init_process_group(backend=self._dist_backend(), timeout=_dt.timedelta(seconds=self.timeout_s))
 
     def _dist_backend(self) -> str:
-        # NCCL needs one GPU per process; fall back to Gloo when there are too few.
-        if torch.cuda.is_available() and torch.cuda.device_count() > self.local_rank:
-            return "nccl"
-        return "gloo"
+        # NCCL for a process that has its own GPU (see _pick_device), else Gloo.
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     def _pick_device(self) -> torch.device:
+        # NCCL needs one GPU per process; fall back to the CPU when there are too few.
         if torch.cuda.is_available() and torch.cuda.device_count() > self.local_rank:
             torch.cuda.set_device(self.local_rank)
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def _comm_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
         # NCCL only reduces CUDA tensors; Gloo reduces CPU ones (and CUDA ones).
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        return tensor.detach().to(dev, copy=True)
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        check_op(op)
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         self._require_init()
-        out = self._comm_tensor(tensor)
-        if op == "mean" and not out.is_floating_point():
-            out = out.double()
-        # Gloo has no AVG: sum and divide, the same on every backend.
-        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(out, op=red)
-        if op == "mean":
-            out /= self.world_size
-        return out.to(tensor.device)
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=red)
+        return tensor
 
     def barrier(self) -> None:
         self._require_init()
@@ -363,7 +366,7 @@ class ProcessGroupBackend(Backend):
     def broadcast(self, obj: T, src: int = 0) -> T:
         self._require_init()
         if isinstance(obj, torch.Tensor):
-            out = self._comm_tensor(obj)
+            out = obj.detach().to(self._comm_device(obj), copy=True)
             dist.broadcast(out, src=src)
             return out.to(obj.device)  # type: ignore[return-value]
         box = [obj]

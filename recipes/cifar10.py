@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     backend.init()
     seed_everything(args.seed)  # same initial weights on every rank
 
-    train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum)
+    train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum,
+                                      verbose=backend.is_main())
     model = LeNet(num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     model, optimizer = backend.setup(model, optimizer)

@@ -32,9 +32,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 DOGCAT_CLASSES = ("cat", "dog")
 
 
-def _warn(msg: str) -> None:
-    # Every rank builds the dataset; only one should talk.
-    if os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0":
+def _warn(msg: str, verbose: bool) -> None:
+    # Every rank builds the dataset; the recipes pass verbose=backend.is_main().
+    if verbose:
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
@@ -60,8 +60,8 @@ def cifar10_root(data_dir: str | Path) -> Path:
     return d.parent if d.name == CIFAR_DIR else d
 
 
-def load_cifar10(data_dir: str | Path, *, download: bool = False,
-                 skip_checksum: bool = False) -> tuple[Dataset, Dataset]:
+def load_cifar10(data_dir: str | Path, *, download: bool = False, skip_checksum: bool = False,
+                 verbose: bool = True) -> tuple[Dataset, Dataset]:
     """(train, test) CIFAR-10 datasets, normalized, with a random flip for training.
 
     With ``download`` torchvision fetches the official archive (where the
@@ -92,7 +92,7 @@ def load_cifar10(data_dir: str | Path, *, download: bool = False,
     cls: type[CIFAR10] = CIFAR10
     if generated or skip_checksum:
         _warn(f"{folder}: md5 check skipped ({'generated data' if generated else '--skip-checksum'}); "
-              "these are not the official CIFAR-10 files")
+              "these are not the official CIFAR-10 files", verbose)
         cls = _UncheckedCIFAR10
     try:
         return (cls(str(root), train=True, download=False, transform=train_tf),
@@ -136,7 +136,7 @@ def _is_readable_image(path: Path) -> bool:
     return True
 
 
-def scan_dogcat(data_dir: str | Path) -> tuple[list[Path], list[int]]:
+def scan_dogcat(data_dir: str | Path, *, verbose: bool = True) -> tuple[list[Path], list[int]]:
     """Image files and labels (0 = cat, 1 = dog), sorted by file name.
 
     Labels come from ``DIR/train.csv`` (columns ``filename,label``; label 0/1 or
@@ -182,7 +182,7 @@ def scan_dogcat(data_dir: str | Path) -> tuple[list[Path], list[int]]:
     if skipped:
         bad = sorted(set(p.name for p, _ in pairs) - set(p.name for p, _ in good))
         _warn(f"skipped {skipped} unreadable image file(s) in {images} (not an image, or truncated): "
-              f"{', '.join(bad[:5])}{' ...' if skipped > 5 else ''}")
+              f"{', '.join(bad[:5])}{' ...' if skipped > 5 else ''}", verbose)
     if not good:
         raise ParallelxError(f"none of the {len(pairs)} image files in {images} is readable")
     return [p for p, _ in good], [lab for _, lab in good]
@@ -239,9 +239,9 @@ def split_indices(n: int, val_fraction: float = 0.2, seed: int = 0) -> tuple[lis
 
 
 def load_dogcat(data_dir: str | Path, image_size: int, *, val_fraction: float = 0.2,
-                seed: int = 0) -> tuple[Dataset, Dataset]:
+                seed: int = 0, verbose: bool = True) -> tuple[Dataset, Dataset]:
     """(train, val) Dogs-vs-Cats datasets: an 80/20 split with a fixed seed."""
-    files, labels = scan_dogcat(data_dir)
+    files, labels = scan_dogcat(data_dir, verbose=verbose)
     train_idx, val_idx = split_indices(len(files), val_fraction, seed)
     return (Subset(DogCatDataset(files, labels, image_size, train=True), train_idx),
             Subset(DogCatDataset(files, labels, image_size, train=False), val_idx))

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     backend.init()
     seed_everything(args.seed)  # same initial weights on every rank
 
-    train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction, seed=args.seed)
+    train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction, seed=args.seed,
+                                     verbose=backend.is_main())
     model = vgg16_for_dogcat(pretrained=args.pretrained, weights=args.weights, freeze_features=args.freeze_features)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)

@@ -16,7 +16,6 @@ What it gets right on every backend:
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -205,7 +204,3 @@ def evaluate_state_dict(model: nn.Module, dataset: Dataset, batch_size: int = 25
             out = model(x)
             sums.update(criterion(out, y), out.argmax(1) == y)
     return sums.compute()
-
-
-def steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
-    return math.ceil(math.ceil(n / world_size) / batch_size)
