@@ -164,6 +164,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self._limit_cpu_threads(self._local_world_size)
         self._initialized = True
 
+    def shutdown(self) -> None:
+        if self._initialized:
+            # DeepSpeed's CPU all-reduce maps a 69 MB buffer per rank into
+            # /dev/shm (RAM), named by master address, port and rank, and never
+            # removes it: every launch on a new port would leak one per rank.
+            self.barrier()
+            name = f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{self.rank}"
+            for path in Path("/dev/shm").glob(name):
+                path.unlink(missing_ok=True)  # mappings stay valid until the process exits
+        super().shutdown()
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """An engine without an optimizer: good for evaluation only."""
         self._require_init()

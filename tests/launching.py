@@ -61,6 +61,17 @@ def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float =
                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     full_env.update(env or {})
     start = time.monotonic()
+    try:
+        return _run(launcher, cmd, full_env, timeout, start)
+    finally:
+        if launcher == "deepspeed":
+            # A crashed or killed rank cannot remove its DeepSpeed /dev/shm buffer.
+            port = cmd[cmd.index("--master_port") + 1]
+            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+                path.unlink(missing_ok=True)
+
+
+def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float, start: float) -> Result:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
