@@ -236,6 +236,9 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
         except BaseException:  # Ctrl-C, SIGTERM: take the launch down with us
             _kill_group(proc)
             raise
+        finally:
+            if impl.launcher == "deepspeed":
+                remove_deepspeed_buffers(cmd)
     job.seconds = time.monotonic() - start
     job.log = str(log_file)
     tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
@@ -259,6 +262,15 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def remove_deepspeed_buffers(cmd: list[str]) -> None:
+    """DeepSpeed's CPU all-reduce leaves a 69 MB file per rank in /dev/shm
+    (RAM), named by the launch's port; plain DeepSpeed scripts, and killed
+    ranks, never remove it, and a long benchmark would fill the memory."""
+    port = cmd[cmd.index("--master_port") + 1]
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def _die_with_parent() -> None:
@@ -564,6 +576,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=None, help="VGG16 / loader image size (default: the mode's)")
     p.add_argument("--nproc", type=int, default=None, help="processes per run (default: the GPU count, else 2)")
     p.add_argument("--repeats", type=int, default=None, help="raw/parallelx alternations (default: the mode's)")
+    p.add_argument("--steps", type=int, default=None, help="timed LeNet steps per launch (default: the mode's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
                    help="a real Dogs-vs-Cats folder for the loader benchmark (default: generated images)")
@@ -593,7 +606,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.image_size is not None:
         overrides["image_size"] = args.image_size
     if args.repeats is not None:
+        if args.repeats < 1:
+            raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
         overrides["repeats"] = args.repeats
+    if args.steps is not None:
+        if args.steps < 1:
+            raise BenchError(f"--steps must be >= 1, got {args.steps}")
+        overrides["lenet_steps"] = args.steps
     if args.timeout is not None:
         overrides["timeout_s"] = args.timeout
     preset = replace(preset, **overrides)
