@@ -41,7 +41,12 @@ def _x(entry: dict[str, Any] | None, bold: bool = False) -> str:
     if entry is None:
         return "-"
     text = f"{entry['speedup']:.2f}x"
-    return f"**{text}**" if bold else text
+    return (f"**{text}**" if bold else text) + _ci(entry.get("ci95"), "{:.2f}")
+
+
+def _ci(interval: list[float] | None, fmt: str = "{:.3f}") -> str:
+    """A 95 % interval as ' [lo, hi]' (results from before intervals existed have none)."""
+    return "" if not interval else " [" + ", ".join(fmt.format(v) for v in interval) + "]"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -68,12 +73,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["Skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items()), ""]
 
     lines += ["## Overhead: parallelx / plain script, same launch settings", "",
-              f"ratio = median step time of parallelx / of the plain script (target <= {meta['ratio_target']}); "
-              "per round: the same for each alternation alone, which shows the machine's noise; p10: the ratio of "
-              "the 10th-percentile step times, which that noise disturbs less. Final weights compared after "
-              f"warm-up + timed steps (pass: max |diff| <= {meta['weight_tolerance']:g}).",
+              f"ratio = median step time of parallelx / of the plain script (target <= {meta['ratio_target']}), "
+              "with its 95 % bootstrap interval over the rounds in brackets; per round: the same for each "
+              "alternation alone, which shows the machine's noise; p10: the ratio of the 10th-percentile step "
+              "times, which that noise disturbs less. Final weights compared after warm-up + timed steps "
+              f"(pass: max |diff| <= {meta['weight_tolerance']:g}).",
               "",
-              "| backend | case | procs | parallelx ms | plain ms | ratio | per round | p10 ratio | final weights |",
+              "| backend | case | procs | parallelx ms | plain ms | ratio [95 % interval] | per round | p10 ratio "
+              "| final weights |",
               "|---|---|---:|---:|---:|---:|---|---:|---|"]
     weights = {(w["impl"], w["case_id"], w["nproc"]): w for w in result["weights"]}
     for o in result["overhead"]:
@@ -82,7 +89,7 @@ def markdown(result: dict[str, Any]) -> str:
                                       + ("" if w["passed"] else " **FAIL**"))
         name = LABELS.get(o["impl"], o["impl"]) + ("" if o["impl"].startswith("px-") else " vs DDP (plain)")
         lines.append(f"| {name} | {o['case_id']} | {o['nproc']} | {_ms(o['median_step_s'])} | "
-                     f"{_ms(o['baseline_median_step_s'])} | **{o['ratio']:.3f}** | "
+                     f"{_ms(o['baseline_median_step_s'])} | **{o['ratio']:.3f}**{_ci(o.get('ci95'))} | "
                      f"{', '.join(f'{r:.3f}' for r in o['repeat_ratios'])} | {o['ratio_p10']:.3f} | {wtxt} |")
     lines.append("")
 
@@ -103,7 +110,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"## Scaling: {n} processes against 1 on the same machine", "",
                   f"speedup = images/s of {n} processes ({m['threads_n']} thread(s) each) / images/s of 1 process, "
                   f"which gets either all {m['threads_1']} threads (same hardware) or {m['threads_n']} "
-                  f"(same resources per process, pure data-parallel scaling); efficiency = speedup / {n}.", "",
+                  f"(same resources per process, pure data-parallel scaling); efficiency = speedup / {n}; "
+                  "95 % bootstrap interval over the rounds in brackets.", "",
                   f"| implementation | case | {n} procs images/s | 1 proc x {m['threads_1']} thr images/s | speedup "
                   f"| 1 proc x {m['threads_n']} thr images/s | speedup | efficiency |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]

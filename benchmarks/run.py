@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -361,8 +363,11 @@ def load_rank_reports(job: Job, work: Path, case: Case) -> list[dict[str, Any]]:
 
 def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
     """One row per (implementation, process count, case): step times pooled
-    over the repeats.  A step's time is the slowest rank's (ranks wait for
-    each other in the gradient all-reduce anyway)."""
+    over the repeats, and kept per round for the confidence intervals.  The
+    ranks advance in lockstep (each waits for the others in the gradient
+    all-reduce, so their summed step times agree), which makes any rank's
+    step time the job's; a step's time is the mean over ranks, which evens
+    out where each rank's timer happens to cut the shared wait."""
     pooled: dict[tuple[str, int, str], dict[str, Any]] = {}
     for job in jobs:
         if job.error:
@@ -371,7 +376,7 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
             reports = load_rank_reports(job, work, case)
             if len(reports) != job.nproc:
                 continue
-            steps = [max(step) for step in zip(*(rep["step_times_s"] for rep in reports))]
+            steps = [statistics.fmean(step) for step in zip(*(rep["step_times_s"] for rep in reports))]
             key = (job.impl, job.nproc, case.id)
             row = pooled.setdefault(key, {
                 "impl": job.impl, "family": IMPLS[job.impl].family, "nproc": job.nproc,
@@ -379,9 +384,12 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
                 "base_id": f"{case.model}-{case.image_size}px-b{case.batch}",
                 "image_size": case.image_size, "warmup": case.warmup, "steps": case.steps,
                 "device": reports[0]["device"],
-                "step_times_s": [], "repeat_medians_s": [], "peak_rss_mib": 0.0, "peak_gpu_mib": None,
+                "step_times_s": [], "rounds": [], "round_step_times_s": [], "repeat_medians_s": [],
+                "peak_rss_mib": 0.0, "peak_gpu_mib": None,
                 "final_loss": reports[0]["final_loss"], "repeats": 0})
             row["step_times_s"] += steps
+            row["rounds"].append(job.repeat)
+            row["round_step_times_s"].append(steps)
             row["repeat_medians_s"].append(statistics.median(steps))
             row["peak_rss_mib"] = max(row["peak_rss_mib"], *(rep["peak_rss_mib"] for rep in reports))
             gpu = [rep["peak_gpu_mib"] for rep in reports if rep["peak_gpu_mib"] is not None]
@@ -410,6 +418,27 @@ def find(rows: list[dict[str, Any]], impl: str, nproc: int, case_id: str) -> dic
     return next((r for r in rows if r["impl"] == impl and r["nproc"] == nproc and r["case_id"] == case_id), None)
 
 
+def round_interval(a: dict[str, Any], b: dict[str, Any], stat: Callable[[float, float], float], *,
+                   resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95 % bootstrap interval of ``stat(median step of a, median step of b)``
+    over the rounds: the rounds both rows ran in are drawn with replacement,
+    each taking its step times of ``a`` and of ``b`` together, because the
+    machine's state changes from launch to launch far more than from step to
+    step.  None with fewer than 3 common rounds."""
+    ta, tb = dict(zip(a["rounds"], a["round_step_times_s"])), dict(zip(b["rounds"], b["round_step_times_s"]))
+    common = sorted(ta.keys() & tb.keys())
+    if len(common) < 3:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        pick = rng.choices(common, k=len(common))
+        values.append(stat(statistics.median([t for r in pick for t in ta[r]]),
+                           statistics.median([t for r in pick for t in tb[r]])))
+    values.sort()
+    return [values[int(0.025 * (resamples - 1))], values[int(0.975 * (resamples - 1))]]
+
+
 def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median step time of parallelx (and of Accelerate) over the plain
     script's; also the ratio of the 10th percentiles, which a noisy machine
@@ -423,12 +452,14 @@ def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ref = find(rows, b, row["nproc"], row["case_id"])
             if ref is None:
                 continue
-            per_repeat = [x / y for x, y in zip(row["repeat_medians_s"], ref["repeat_medians_s"])]
+            ref_medians = dict(zip(ref["rounds"], ref["repeat_medians_s"]))
+            per_repeat = [x / ref_medians[r] for r, x in zip(row["rounds"], row["repeat_medians_s"])
+                          if r in ref_medians]
             ratio = row["median_step_s"] / ref["median_step_s"]
             out.append({"impl": a, "baseline": b, "case_id": row["case_id"], "nproc": row["nproc"],
                         "median_step_s": row["median_step_s"], "baseline_median_step_s": ref["median_step_s"],
                         "ratio": ratio, "ratio_p10": row["p10_step_s"] / ref["p10_step_s"],
-                        "repeat_ratios": per_repeat,
+                        "repeat_ratios": per_repeat, "ci95": round_interval(row, ref, lambda x, y: x / y),
                         "within_target": ratio <= RATIO_TARGET if a.startswith("px-") else None})
     return out
 
@@ -485,8 +516,10 @@ def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, one in (("all_cores", all_cores), ("same_threads", same)):
             if one is not None:
                 speedup = row["images_per_s"] / one["images_per_s"]
+                # speedup = (n * batch / step_n) / (batch / step_1)
+                ci = round_interval(row, one, lambda step_n, step_1, n=row["nproc"]: n * step_1 / step_n)
                 entry[key] = {"threads_1": one["threads"], "images_per_s_1": one["images_per_s"],
-                              "speedup": speedup, "efficiency": speedup / row["nproc"]}
+                              "speedup": speedup, "efficiency": speedup / row["nproc"], "ci95": ci}
         out.append(entry)
     return out
 
