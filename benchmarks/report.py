@@ -13,7 +13,8 @@ from typing import Any
 
 LABELS = {"raw-ddp": "DDP (plain)", "px-ddp": "DDP (parallelx)", "raw-horovod": "Horovod (plain)",
           "px-horovod": "Horovod (parallelx)", "raw-deepspeed": "DeepSpeed (plain)",
-          "px-deepspeed": "DeepSpeed (parallelx)", "accelerate": "Accelerate"}
+          "px-deepspeed": "DeepSpeed (parallelx)", "accelerate": "Accelerate", "ctl-ddp": "DDP (plain, again)",
+          "ctl-horovod": "Horovod (plain, again)", "ctl-deepspeed": "DeepSpeed (plain, again)"}
 
 
 def write_all(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -73,7 +74,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["Skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items()), ""]
 
     lines += ["## Overhead: parallelx / plain script, same launch settings", "",
-              f"ratio = median step time of parallelx / of the plain script (target <= {meta['ratio_target']}), "
+              f"ratio = median step time of parallelx / of the plain script (target <= {meta['ratio_target']}; "
+              "rows 'plain, again' divide a second run of the plain script by the first: no difference exists "
+              "there, so they show what noise alone does to the ratio), "
               "with its 95 % bootstrap interval over the rounds in brackets; per round: the same for each "
               "alternation alone, which shows the machine's noise; p10: the ratio of the 10th-percentile step "
               "times, which that noise disturbs less. Final weights compared after warm-up + timed steps "
@@ -87,7 +90,8 @@ def markdown(result: dict[str, Any]) -> str:
         w = weights.get((o["impl"], o["case_id"], o["nproc"]))
         wtxt = "-" if w is None else (("identical (0)" if w["identical"] else f"{w['max_abs_diff']:.2g}")
                                       + ("" if w["passed"] else " **FAIL**"))
-        name = LABELS.get(o["impl"], o["impl"]) + ("" if o["impl"].startswith("px-") else " vs DDP (plain)")
+        name = LABELS.get(o["impl"], o["impl"]) + ("" if o["impl"].startswith("px-")
+                                                   else f" vs {LABELS.get(o['baseline'], o['baseline'])}")
         lines.append(f"| {name} | {o['case_id']} | {o['nproc']} | {_ms(o['median_step_s'])} | "
                      f"{_ms(o['baseline_median_step_s'])} | **{o['ratio']:.3f}**{_ci(o.get('ci95'))} | "
                      f"{', '.join(f'{r:.3f}' for r in o['repeat_ratios'])} | {o['ratio_p10']:.3f} | {wtxt} |")
@@ -172,7 +176,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     axes = [ax for row in grid for ax in row]
     for ax in axes[panels:]:
         ax.set_visible(False)
-    colors = {"raw": "#8c8c8c", "px-": "#1f77b4", "acc": "#ff7f0e"}
+    colors = {"raw": "#8c8c8c", "px-": "#1f77b4", "acc": "#ff7f0e", "ctl": "#c7c7c7"}
     for ax, case in zip(axes, cases):
         rows = [r for r in runs if r["case_id"] == case]
         names = [LABELS.get(r["impl"], r["impl"]).replace(" (", "\n(") for r in rows]
@@ -184,10 +188,17 @@ def chart(result: dict[str, Any], path: Path) -> None:
     if result["overhead"] and rest:
         ax = rest.pop(0)
         n = result["meta"]["machine"]["nproc"]
-        ov = [o for o in result["overhead"] if o["impl"].startswith("px-") and o["nproc"] == n]
+        ov = [o for o in result["overhead"] if o["impl"][:3] in ("px-", "ctl") and o["nproc"] == n]
+        ov.sort(key=lambda o: (o["impl"].split("-", 1)[1], o["case_id"], o["impl"].startswith("ctl")))
         ratios = [o["ratio"] for o in ov]
-        labels = [f"{o['impl'][3:]}\n{o['case_id'].replace('-32px', '')}" for o in ov]
-        ax.bar(labels, ratios, color=colors["px-"])
+        labels = [f"{o['impl'].split('-', 1)[1]}{' again' if o['impl'].startswith('ctl') else ''}\n"
+                  f"{o['case_id'].replace('-32px', '')}" for o in ov]
+        ax.bar(labels, ratios, color=[colors[o["impl"][:3]] for o in ov])
+        # 95 % intervals, where the run had enough rounds for one.
+        with_ci = [i for i, o in enumerate(ov) if o.get("ci95")]
+        for i in with_ci:
+            ax.plot([i, i], ov[i]["ci95"], color="#d62728", lw=2, label="95 % interval" if i == with_ci[0] else None)
+            ratios += ov[i]["ci95"]
         # Each round's own ratio: the spread is the machine's noise.
         for i, o in enumerate(ov):
             ax.plot([i] * len(o["repeat_ratios"]), o["repeat_ratios"], "k.", ms=4,
@@ -196,7 +207,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(result["meta"]["ratio_target"], color="red", ls="--", lw=0.8, label="target")
         ax.set_ylim(min([0.9, *ratios]) - 0.02, max([1.1, *ratios]) + 0.02)
-        ax.set_title(f"median step time parallelx / plain, {n} processes")
+        ax.set_title(f"median step time parallelx (or plain again) / plain, {n} processes", fontsize=9)
         ax.tick_params(axis="x", labelsize=7, rotation=45)
         ax.legend(fontsize=7)
     if result["scaling"] and rest:

@@ -51,7 +51,11 @@ WEIGHT_ATOL = 1e-6
 #: The overhead target of the issue: median step time parallelx / plain.
 RATIO_TARGET = 1.02
 FAMILIES = ("ddp", "horovod", "deepspeed")
+IMPL_LAUNCHERS = {"ddp": "torchrun", "horovod": "horovodrun", "deepspeed": "deepspeed"}
 PARTS = (*FAMILIES, "accelerate", "scaling", "loader")
+#: (measured, baseline): what the overhead and weight tables compare.
+PAIRS = ([(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", "raw-ddp")]
+         + [(f"ctl-{f}", f"raw-{f}") for f in FAMILIES])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +79,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl(name="px-deepspeed", family="deepspeed", launcher="deepspeed", module="benchmarks.px_worker",
          args=("--backend", "deepspeed")),
     Impl(name="accelerate", family="accelerate", launcher="accelerate", module="benchmarks.raw_accelerate"),
+    # --control: each plain script a second time, compared with itself.  No
+    # difference exists by construction, so its ratio and interval show what
+    # the machine's noise alone makes of a parallelx / plain ratio.
+    *(Impl(name=f"ctl-{f}", family=f, launcher=IMPL_LAUNCHERS[f], module=f"benchmarks.raw_{f}")
+      for f in ("ddp", "horovod", "deepspeed")),
 )}
 
 
@@ -302,9 +311,11 @@ def vgg(p: Preset, save: bool, threads: int | None = None) -> Case:
                 lr=0.001, save_weights=save, threads=threads)
 
 
-def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine) -> list[Job]:
+def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: bool = False) -> list[Job]:
     """Every launch, in order.  Within a round, each backend's parallelx and
-    plain runs are adjacent and their order flips every round (A B, B A)."""
+    plain runs are adjacent and their order flips every round (A B, B A);
+    with ``control``, the plain script's second run joins them and the three
+    rotate (A B C, B C A, C A B)."""
     jobs: list[Job] = []
     n = machine.nproc
     for r in range(p.repeats):
@@ -327,8 +338,13 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine) -
         for family in FAMILIES:
             if family not in parts:
                 continue
-            pair = [f"raw-{family}", f"px-{family}"]
-            for impl in pair if r % 2 == 0 else pair[::-1]:
+            group = [f"raw-{family}", f"px-{family}"]
+            if control:
+                group.append(f"ctl-{family}")
+                group = group[r % 3:] + group[:r % 3]
+            elif r % 2:
+                group.reverse()
+            for impl in group:
                 jobs.append(Job(impl=impl, nproc=n, threads=machine.threads_n, cases=cases(family), repeat=r))
             if family == "ddp" and "accelerate" in parts:
                 jobs.append(Job(impl="accelerate", nproc=n, threads=machine.threads_n, cases=cases("accelerate"),
@@ -339,7 +355,7 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine) -
         if "scaling" in parts and n > 1:
             names = ["raw-ddp", "px-ddp"]
             if p.scaling_all:
-                names += [i for i in IMPLS if IMPLS[i].family in parts and i not in names]
+                names += [i for i in IMPLS if IMPLS[i].family in parts and i not in names and not i.startswith("ctl-")]
             for impl in names if r % 2 == 0 else names[::-1]:
                 jobs.append(Job(impl=impl, nproc=1, threads=machine.threads_1,
                                 cases=cases(IMPLS[impl].family, one_process=True), repeat=r))
@@ -444,8 +460,7 @@ def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     script's; also the ratio of the 10th percentiles, which a noisy machine
     disturbs less (interference only ever adds time to a step)."""
     out = []
-    pairs = [(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", "raw-ddp")]
-    for a, b in pairs:
+    for a, b in PAIRS:
         for row in rows:
             if row["impl"] != a:
                 continue
@@ -470,9 +485,8 @@ def compare_weights(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
     import torch
 
     out = []
-    pairs = [(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", "raw-ddp")]
     first = {(j.impl, j.nproc): j for j in jobs if j.repeat == 0 and not j.error}
-    for a, b in pairs:
+    for a, b in PAIRS:
         for nproc in sorted({j.nproc for j in jobs}, reverse=True):
             ja, jb = first.get((a, nproc)), first.get((b, nproc))
             if ja is None or jb is None:
@@ -609,6 +623,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=None, help="VGG16 / loader image size (default: the mode's)")
     p.add_argument("--nproc", type=int, default=None, help="processes per run (default: the GPU count, else 2)")
     p.add_argument("--repeats", type=int, default=None, help="raw/parallelx alternations (default: the mode's)")
+    p.add_argument("--control", action="store_true",
+                   help="also run each plain script a second time and compare it with itself: the noise floor")
     p.add_argument("--steps", type=int, default=None, help="timed LeNet steps per launch (default: the mode's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
@@ -670,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
           f"(1-process runs: {machine.threads_1}), {machine.comm}; work dir {work}", flush=True)
-    jobs = schedule(preset, parts, args.model_list, machine)
+    jobs = schedule(preset, parts, args.model_list, machine, control=args.control)
     try:
         for job in jobs:
             run_job(job, machine, work, preset.timeout_s)
@@ -695,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "meta": {
             "command": "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            "mode": args.mode, "preset": asdict(preset), "parts": parts, "models": args.model_list,
+            "mode": args.mode, "preset": asdict(preset), "parts": parts, "control": args.control, "models": args.model_list,
             "skipped": skipped, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "wall_s": time.time() - started, "load_average_start": load_start, "load_average_end": os.getloadavg(),
             "hardware": hardware(machine), "versions": versions(), "machine": asdict(machine),
