@@ -170,8 +170,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
             # /dev/shm (RAM), named by master address, port and rank, and never
             # removes it: every launch on a new port would leak one per rank.
             self.barrier()
-            name = f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{self.rank}"
-            for path in Path("/dev/shm").glob(name):
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{self.rank}"):
                 path.unlink(missing_ok=True)  # mappings stay valid until the process exits
         super().shutdown()
 

@@ -15,12 +15,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 from torch import nn
 
 import parallelx
+from benchmarks import workload
 from parallelx.cli import exit_on_error
 
-from benchmarks import workload
+
+def prepare(backend: parallelx.Backend, case: workload.Case) -> tuple[workload.Step, nn.Module]:
+    """The model and optimizer through ``backend.setup``, as a training step (and the wrapped model)."""
+    base = workload.build_model(case)
+    model, optimizer = backend.setup(base, workload.make_optimizer(base, case))
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y)
+        backend.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return train_step, model
 
 
 @exit_on_error
@@ -39,21 +54,17 @@ def main() -> int:
     backend.init()
     for case in plan.cases:
         workload.apply_threads(plan, case)
-        base = workload.build_model(case)
-        model, optimizer = backend.setup(base, workload.make_optimizer(base, case))
+        train_step, model = prepare(backend, case)
         batches = workload.synthetic_batches(case, backend.rank, backend.device)
         workload.seed_steps(case, backend.rank)
         times: list[float] = []
         for x, y in workload.timed_steps(case, batches, backend.device, times):
-            loss = nn.functional.cross_entropy(model(x), y)
-            backend.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            loss = train_step(x, y)
         # A collective on sharding backends: every rank takes part.
         weights = backend.model_state_dict(model) if case.save_weights else None
         workload.record(plan, case, rank=backend.rank, world_size=backend.world_size, device=backend.device,
                         times=times, loss=loss, weights=weights)
-        del model, optimizer, base, batches, weights
+        del train_step, model, batches, weights
         workload.release(backend.device)
     backend.shutdown()
     return 0

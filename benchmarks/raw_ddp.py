@@ -21,6 +21,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks import workload
 
 
+def prepare(case: workload.Case, device: torch.device, local_rank: int) -> tuple[workload.Step, nn.Module]:
+    """The DDP-wrapped model and its optimizer, as a training step (and the bare model)."""
+    model = workload.build_model(case).to(device)
+    ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = workload.make_optimizer(ddp_model, case)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(ddp_model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step, model
+
+
 @workload.exit_on_bench_error
 def main() -> int:
     _, plan = workload.worker_args("raw-ddp")
@@ -38,21 +54,16 @@ def main() -> int:
 
     for case in plan.cases:
         workload.apply_threads(plan, case)
-        model = workload.build_model(case).to(device)
-        ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-        optimizer = workload.make_optimizer(ddp_model, case)
+        train_step, model = prepare(case, device, local_rank)
         batches = workload.synthetic_batches(case, rank, device)
         workload.seed_steps(case, rank)
         times: list[float] = []
         for x, y in workload.timed_steps(case, batches, device, times):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(ddp_model(x), y)
-            loss.backward()
-            optimizer.step()
+            loss = train_step(x, y)
         weights = model.state_dict() if case.save_weights else None
         workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
                         weights=weights)
-        del model, ddp_model, optimizer, batches, weights
+        del train_step, model, batches, weights
         workload.release(device)
     dist.destroy_process_group()
     return 0

@@ -15,9 +15,35 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 from torch import nn
 
 from benchmarks import workload
+
+
+def prepare(case: workload.Case, args: argparse.Namespace | None) -> tuple[workload.Step, nn.Module, torch.device]:
+    """The engine from ``deepspeed.initialize``, as a training step (and the
+    engine's module, and its device).  ``deepspeed.init_distributed()`` must have run."""
+    import deepspeed
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": case.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,  # no progress lines inside the timed loop
+    }
+    model = workload.build_model(case)
+    optimizer = workload.make_optimizer(model, case)
+    model_engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                                         config=ds_config)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model_engine(x), y)
+        model_engine.backward(loss)
+        model_engine.step()
+        return loss
+
+    return train_step, model_engine.module, model_engine.device
 
 
 @workload.exit_on_bench_error
@@ -34,28 +60,16 @@ def main() -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for case in plan.cases:
         workload.apply_threads(plan, case)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": case.batch,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": 0},
-            "steps_per_print": 10**9,  # no progress lines inside the timed loop
-        }
-        model = workload.build_model(case)
-        optimizer = workload.make_optimizer(model, case)
-        model_engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                                             config=ds_config)
-        device = model_engine.device
+        train_step, model, device = prepare(case, args)
         batches = workload.synthetic_batches(case, rank, device)
         workload.seed_steps(case, rank)
         times: list[float] = []
         for x, y in workload.timed_steps(case, batches, device, times):
-            loss = nn.functional.cross_entropy(model_engine(x), y)
-            model_engine.backward(loss)
-            model_engine.step()
-        weights = model_engine.module.state_dict() if case.save_weights else None
+            loss = train_step(x, y)
+        weights = model.state_dict() if case.save_weights else None
         workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
                         weights=weights)
-        del model, model_engine, optimizer, batches, weights
+        del train_step, model, batches, weights
         workload.release(device)
     dist.destroy_process_group()
     return 0

@@ -19,6 +19,28 @@ from torch import nn
 from benchmarks import workload
 
 
+def prepare(case: workload.Case, device: torch.device) -> tuple[workload.Step, nn.Module]:
+    """Rank 0's weights and optimizer state broadcast, the optimizer wrapped
+    in ``hvd.DistributedOptimizer``: a training step (and the model).
+    ``hvd.init()`` must have run."""
+    import horovod.torch as hvd
+
+    model = workload.build_model(case).to(device)
+    optimizer = workload.make_optimizer(model, case)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step, model
+
+
 @workload.exit_on_bench_error
 def main() -> int:
     _, plan = workload.worker_args("raw-horovod")
@@ -34,23 +56,16 @@ def main() -> int:
     for case in plan.cases:
         # The guide limits each worker's CPU threads; the plan says how many.
         workload.apply_threads(plan, case)
-        model = workload.build_model(case).to(device)
-        optimizer = workload.make_optimizer(model, case)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+        train_step, model = prepare(case, device)
         batches = workload.synthetic_batches(case, hvd.rank(), device)
         workload.seed_steps(case, hvd.rank())
         times: list[float] = []
         for x, y in workload.timed_steps(case, batches, device, times):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
+            loss = train_step(x, y)
         weights = model.state_dict() if case.save_weights else None
         workload.record(plan, case, rank=hvd.rank(), world_size=hvd.size(), device=device, times=times, loss=loss,
                         weights=weights)
-        del model, optimizer, batches, weights
+        del train_step, model, batches, weights
         workload.release(device)
     hvd.shutdown()
     return 0

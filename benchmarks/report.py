@@ -97,6 +97,27 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{', '.join(f'{r:.3f}' for r in o['repeat_ratios'])} | {o['ratio_p10']:.3f} | {wtxt} |")
     lines.append("")
 
+    if result.get("same_process"):
+        lines += ["## Overhead in the same processes: the plain step and parallelx's, alternating", "",
+                  "One launch per backend builds both the plain script's training step and parallelx's on two "
+                  "copies of the model and alternates blocks of timed steps between them (plain, parallelx; "
+                  "parallelx, plain; ...), so that launch-to-launch noise drops out. ratio = median step time of "
+                  "parallelx / of the plain step over all blocks, 95 % bootstrap interval over the blocks in "
+                  "brackets; final weights: the two models after the same batches.", "",
+                  "| backend | case | procs | blocks x steps | parallelx ms | plain ms | ratio [95 % interval] "
+                  "| blocks with parallelx faster | final weights |",
+                  "|---|---|---:|---|---:|---:|---:|---:|---|"]
+        for o in result["same_process"]:
+            faster = sum(r < 1 for r in o["block_ratios"])
+            wtxt = ("identical (0)" if o["max_abs_weight_diff"] == 0 else f"{o['max_abs_weight_diff']:.2g}") + (
+                "" if o["weights_passed"] else " **FAIL**")
+            backend = LABELS.get("px-" + o["family"], o["family"]).split(" (")[0]
+            lines.append(f"| {backend} | {o['case_id']} | {o['nproc']} | "
+                         f"{o['blocks']} x {o['steps_per_block']} | {_ms(o['median_step_s'])} | "
+                         f"{_ms(o['baseline_median_step_s'])} | **{o['ratio']:.3f}**{_ci(o.get('ci95'))} | "
+                         f"{faster} of {len(o['block_ratios'])} | {wtxt} |")
+        lines.append("")
+
     lines += ["## Throughput", "",
               "images/s = processes x batch / median step time; epoch = projected full-dataset epoch "
               "(CIFAR-10 50,000 images, Dogs-vs-Cats 20,000) at that rate; memory = peak RSS of the largest process "

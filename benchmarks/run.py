@@ -52,7 +52,7 @@ WEIGHT_ATOL = 1e-6
 RATIO_TARGET = 1.02
 FAMILIES = ("ddp", "horovod", "deepspeed")
 IMPL_LAUNCHERS = {"ddp": "torchrun", "horovod": "horovodrun", "deepspeed": "deepspeed"}
-PARTS = (*FAMILIES, "accelerate", "scaling", "loader")
+PARTS = (*FAMILIES, "accelerate", "scaling", "same-process", "loader")
 #: (measured, baseline): what the overhead and weight tables compare.
 PAIRS = ([(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", "raw-ddp")]
          + [(f"ctl-{f}", f"raw-{f}") for f in FAMILIES])
@@ -67,6 +67,7 @@ class Impl:
     launcher: str
     module: str
     args: tuple[str, ...] = ()
+    paired: bool = False  # runs the plain and the parallelx step itself (benchmarks.same_process)
 
 
 IMPLS: dict[str, Impl] = {i.name: i for i in (
@@ -84,6 +85,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     # the machine's noise alone makes of a parallelx / plain ratio.
     *(Impl(name=f"ctl-{f}", family=f, launcher=IMPL_LAUNCHERS[f], module=f"benchmarks.raw_{f}")
       for f in ("ddp", "horovod", "deepspeed")),
+    *(Impl(name=f"same-{f}", family=f, launcher=IMPL_LAUNCHERS[f], module="benchmarks.same_process",
+           args=("--backend", f), paired=True) for f in ("ddp", "horovod", "deepspeed")),
 )}
 
 
@@ -105,6 +108,8 @@ class Preset:
     scaling_vgg: bool  # 1-process runs include VGG16
     loader_per_class: int  # generated Dogs-vs-Cats images per class
     loader_batches: int  # timed loader batches (of 16 images) per worker setting
+    same_blocks: int  # same-process part: alternating blocks of each implementation
+    same_steps: int  # ... and timed LeNet steps per block (after 2 untimed)
     timeout_s: float  # per launch
 
 
@@ -112,16 +117,19 @@ PRESETS: dict[str, Preset] = {
     # Only checks that everything runs; its numbers mean nothing.
     "smoke": Preset(lenet_batches=(32,), lenet_batch=32, lenet_warmup=1, lenet_steps=3, vgg_batch=2,
                     vgg_warmup=0, vgg_steps=1, image_size=32, repeats=1, vgg_repeats=1, scaling_all=False,
-                    scaling_vgg=False, loader_per_class=16, loader_batches=3, timeout_s=240),
+                    scaling_vgg=False, loader_per_class=16, loader_batches=3, same_blocks=2, same_steps=2,
+                    timeout_s=240),
     # A 2-core CPU machine in under 5 minutes: VGG16 (138 M parameters) is
     # measured for a few steps in the first round only.
     "quick": Preset(lenet_batches=(64, 128, 256), lenet_batch=256, lenet_warmup=3, lenet_steps=30, vgg_batch=4,
                     vgg_warmup=1, vgg_steps=2, image_size=64, repeats=2, vgg_repeats=1, scaling_all=False,
-                    scaling_vgg=False, loader_per_class=64, loader_batches=16, timeout_s=240),
+                    scaling_vgg=False, loader_per_class=64, loader_batches=16, same_blocks=10, same_steps=8,
+                    timeout_s=240),
     # Real hardware (GPUs: one process each, NCCL).
     "full": Preset(lenet_batches=(64, 128, 256, 512), lenet_batch=256, lenet_warmup=20, lenet_steps=200,
                    vgg_batch=32, vgg_warmup=5, vgg_steps=40, image_size=224, repeats=4, vgg_repeats=2,
-                   scaling_all=True, scaling_vgg=True, loader_per_class=500, loader_batches=100, timeout_s=1800),
+                   scaling_all=True, scaling_vgg=True, loader_per_class=500, loader_batches=100, same_blocks=20,
+                   same_steps=50, timeout_s=1800),
 }
 
 
@@ -132,6 +140,7 @@ class Job:
     threads: int
     cases: list[Case]
     repeat: int
+    extra_args: tuple[str, ...] = ()  # for the worker, after --plan
     seconds: float = 0.0
     error: str | None = None
     log: str = ""
@@ -226,7 +235,7 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
     plan_file = work / "plans" / f"{job.tag}.json"
     plan_file.parent.mkdir(parents=True, exist_ok=True)
     Plan(impl=job.impl, nproc=job.nproc, threads=job.threads, out=str(out), cases=job.cases).dump(plan_file)
-    cmd = launch_command(impl, job.nproc, job.threads, ["--plan", str(plan_file)], machine)
+    cmd = launch_command(impl, job.nproc, job.threads, ["--plan", str(plan_file), *job.extra_args], machine)
     log_file = work / "logs" / f"{job.tag}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     # Leftovers of an earlier run in a reused --work-dir would be read as this one's.
@@ -311,18 +320,23 @@ def vgg(p: Preset, save: bool, threads: int | None = None) -> Case:
                 lr=0.001, save_weights=save, threads=threads)
 
 
-def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: bool = False) -> list[Job]:
+def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: bool = False,
+             same_process: tuple[str, ...] = ()) -> list[Job]:
     """Every launch, in order.  Within a round, each backend's parallelx and
     plain runs are adjacent and their order flips every round (A B, B A);
     with ``control``, the plain script's second run joins them and the three
-    rotate (A B C, B C A, C A B)."""
+    rotate (A B C, B C A, C A B).  Last, one same-process launch for each
+    backend in ``same_process`` (LeNet: its batches alone give both
+    implementations identical weights; VGG16's dropout would not)."""
     jobs: list[Job] = []
     n = machine.nproc
     for r in range(p.repeats):
         save = r == 0  # one set of final weights per implementation is enough
         with_vgg = "vgg16" in models and r < p.vgg_repeats
 
-        def cases(family: str, *, one_process: bool = False) -> list[Case]:
+        # save and with_vgg are bound now: each round's cases use that round's values.
+        def cases(family: str, *, one_process: bool = False, save: bool = save,
+                  with_vgg: bool = with_vgg) -> list[Case]:
             batches = {*p.lenet_batches, p.lenet_batch} if family == "ddp" or p.scaling_all else {p.lenet_batch}
             # A 1-process run measures two baselines in one launch: all the
             # cores' threads (same hardware as N processes), and the threads
@@ -359,6 +373,11 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, c
             for impl in names if r % 2 == 0 else names[::-1]:
                 jobs.append(Job(impl=impl, nproc=1, threads=machine.threads_1,
                                 cases=cases(IMPLS[impl].family, one_process=True), repeat=r))
+    if "lenet" in models and n > 1:
+        for family in same_process:
+            case = replace(lenet(p.lenet_batch, p, False), warmup=2, steps=p.same_steps)
+            jobs.append(Job(impl=f"same-{family}", nproc=n, threads=machine.threads_n, cases=[case], repeat=0,
+                            extra_args=("--blocks", str(p.same_blocks))))
     return [j for j in jobs if j.cases]
 
 
@@ -386,7 +405,7 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
     out where each rank's timer happens to cut the shared wait."""
     pooled: dict[tuple[str, int, str], dict[str, Any]] = {}
     for job in jobs:
-        if job.error:
+        if job.error or IMPLS[job.impl].paired:
             continue
         for case in job.cases:
             reports = load_rank_reports(job, work, case)
@@ -476,6 +495,40 @@ def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "ratio": ratio, "ratio_p10": row["p10_step_s"] / ref["p10_step_s"],
                         "repeat_ratios": per_repeat, "ci95": round_interval(row, ref, lambda x, y: x / y),
                         "within_target": ratio <= RATIO_TARGET if a.startswith("px-") else None})
+    return out
+
+
+def same_process(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
+    """The same-process launches: parallelx / plain median step time over all
+    blocks, with per-block ratios and a 95 % interval over the blocks (block
+    i of each implementation ran back to back), and the two models' final
+    weights.  As elsewhere, a step's time is the mean over the lockstep ranks."""
+    out = []
+    for job in jobs:
+        if job.error or not IMPLS[job.impl].paired:
+            continue
+        for case in job.cases:
+            reports = load_rank_reports(job, work, case)
+            if len(reports) != job.nproc:
+                continue
+            rows = {}
+            for name in ("plain", "parallelx"):
+                blocks = [[statistics.fmean(step) for step in zip(*per_rank)]
+                          for per_rank in zip(*(rep["blocks"][name] for rep in reports))]
+                rows[name] = {"rounds": list(range(len(blocks))), "round_step_times_s": blocks,
+                              "median_step_s": statistics.median([t for b in blocks for t in b])}
+            px, plain = rows["parallelx"], rows["plain"]
+            diff = max(rep["max_abs_weight_diff"] for rep in reports)
+            out.append({
+                "impl": job.impl, "family": IMPLS[job.impl].family, "case_id": case.id, "nproc": job.nproc,
+                "threads": reports[0]["threads"], "blocks": len(px["rounds"]), "steps_per_block": case.steps,
+                "median_step_s": px["median_step_s"], "baseline_median_step_s": plain["median_step_s"],
+                "ratio": px["median_step_s"] / plain["median_step_s"],
+                "block_ratios": [statistics.median(a) / statistics.median(b)
+                                 for a, b in zip(px["round_step_times_s"], plain["round_step_times_s"])],
+                "ci95": round_interval(px, plain, lambda x, y: x / y),
+                "max_abs_weight_diff": diff, "weights_passed": diff <= WEIGHT_ATOL,
+                "within_target": px["median_step_s"] / plain["median_step_s"] <= RATIO_TARGET})
     return out
 
 
@@ -625,6 +678,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="raw/parallelx alternations (default: the mode's)")
     p.add_argument("--control", action="store_true",
                    help="also run each plain script a second time and compare it with itself: the noise floor")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="same-process part: alternating blocks of each implementation (default: the mode's)")
     p.add_argument("--steps", type=int, default=None, help="timed LeNet steps per launch (default: the mode's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
@@ -658,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats < 1:
             raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
         overrides["repeats"] = args.repeats
+    if args.blocks is not None:
+        if args.blocks < 1:
+            raise BenchError(f"--blocks must be >= 1, got {args.blocks}")
+        overrides["same_blocks"] = args.blocks
     if args.steps is not None:
         if args.steps < 1:
             raise BenchError(f"--steps must be >= 1, got {args.steps}")
@@ -686,12 +745,15 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
           f"(1-process runs: {machine.threads_1}), {machine.comm}; work dir {work}", flush=True)
-    jobs = schedule(preset, parts, args.model_list, machine, control=args.control)
+    # The same-process part needs each backend's package and launcher, whether or not its own part runs.
+    same = tuple(f for f in FAMILIES if unavailable(f) is None) if "same-process" in parts else ()
+    jobs = schedule(preset, parts, args.model_list, machine, control=args.control, same_process=same)
     try:
         for job in jobs:
             run_job(job, machine, work, preset.timeout_s)
         rows = collect(jobs, work)
         weights = compare_weights(jobs, work)
+        paired = same_process(jobs, work)
         loader = (loader_report(preset, machine, work, rows, preset.image_size, args.dogcat_dir, preset.timeout_s)
                   if "loader" in parts else None)
     finally:
@@ -711,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "meta": {
             "command": "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            "mode": args.mode, "preset": asdict(preset), "parts": parts, "control": args.control, "models": args.model_list,
+            "mode": args.mode, "preset": asdict(preset), "parts": parts, "control": args.control,
+            "models": args.model_list,
             "skipped": skipped, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "wall_s": time.time() - started, "load_average_start": load_start, "load_average_end": os.getloadavg(),
             "hardware": hardware(machine), "versions": versions(), "machine": asdict(machine),
@@ -721,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": rows,
         "overhead": overheads(rows),
         "weights": weights,
+        "same_process": paired,
         "scaling": scaling(rows),
         "loader": loader,
         "failures": failures,
@@ -733,6 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in bad_weights:
         print(f"[bench] WEIGHTS DIFFER: {w['impl']} vs {w['baseline']} on {w['case_id']} (n={w['nproc']}): "
               f"max |diff| {w['max_abs_diff']:.3g} > {WEIGHT_ATOL}", file=sys.stderr)
+    for s in paired:
+        if not s["weights_passed"]:
+            bad_weights.append(s)
+            print(f"[bench] WEIGHTS DIFFER in {s['impl']} on {s['case_id']}: plain and parallelx models, "
+                  f"max |diff| {s['max_abs_weight_diff']:.3g} > {WEIGHT_ATOL}", file=sys.stderr)
     return 1 if failures or bad_weights else 0
 
 

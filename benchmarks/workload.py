@@ -39,6 +39,10 @@ MODELS: dict[str, dict[str, int]] = {
     "lenet": {"classes": 10, "train_images": 50_000},
     "vgg16": {"classes": 2, "train_images": 20_000},
 }
+#: One training step on a batch, returning the loss: what every worker's
+#: ``prepare`` builds, so that ``benchmarks.same_process`` can run the plain
+#: and the parallelx step side by side.
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Distinct synthetic batches per rank, cycled through: enough that no step
 #: sees the same input as the one before, few enough to stay in memory.
 POOL = 4

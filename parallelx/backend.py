@@ -335,7 +335,8 @@ class ProcessGroupBackend(Backend):
             return
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise LaunchError(f"{self.name}: environment lacks {', '.join(missing)}; start the script with its launcher")
+            raise LaunchError(f"{self.name}: environment lacks {', '.join(missing)}; "
+                              "start the script with its launcher")
         dist.init_process_group(backend=self._dist_backend(), timeout=_dt.timedelta(seconds=self.timeout_s))
 
     def _dist_backend(self) -> str:

@@ -80,10 +80,12 @@ def load_cifar10(data_dir: str | Path, *, download: bool = False, skip_checksum:
                     CIFAR10(str(root), train=False, download=True, transform=test_tf))
         except Exception as exc:
             raise ParallelxError(f"downloading CIFAR-10 into {root} failed ({type(exc).__name__}: {exc}); "
-                                 f"fetch cifar-10-python.tar.gz elsewhere, unpack it there and drop --download") from None
+                                 "fetch cifar-10-python.tar.gz elsewhere, unpack it there and drop --download"
+                                 ) from None
     if not folder.is_dir():
         raise ParallelxError(f"no CIFAR-10 data at {folder}: pass --data-dir pointing at a '{CIFAR_DIR}' folder, "
-                             "add --download, or generate a stand-in with `python -m recipes.make_data cifar10 --out DIR`")
+                             "add --download, or generate a stand-in with "
+                             "`python -m recipes.make_data cifar10 --out DIR`")
     expected = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
     missing = [f for f in expected if not (folder / f).is_file()]
     if missing:
@@ -153,7 +155,8 @@ def scan_dogcat(data_dir: str | Path, *, verbose: bool = True) -> tuple[list[Pat
         except Exception as exc:
             raise ParallelxError(f"{csv}: not a readable CSV ({exc})") from None
         if list(table.columns) != ["filename", "label"]:
-            raise ParallelxError(f"{csv}: expected the columns 'filename,label', found {','.join(map(str, table.columns))}")
+            found = ",".join(map(str, table.columns))
+            raise ParallelxError(f"{csv}: expected the columns 'filename,label', found {found}")
         pairs = []
         for name, label in zip(table["filename"].astype(str), table["label"]):
             lab = DOGCAT_CLASSES.index(label) if label in DOGCAT_CLASSES else label
@@ -180,7 +183,7 @@ def scan_dogcat(data_dir: str | Path, *, verbose: bool = True) -> tuple[list[Pat
     good = [(p, lab) for p, lab in sorted(pairs) if _is_readable_image(p)]
     skipped = len(pairs) - len(good)
     if skipped:
-        bad = sorted(set(p.name for p, _ in pairs) - set(p.name for p, _ in good))
+        bad = sorted({p.name for p, _ in pairs} - {p.name for p, _ in good})
         _warn(f"skipped {skipped} unreadable image file(s) in {images} (not an image, or truncated): "
               f"{', '.join(bad[:5])}{' ...' if skipped > 5 else ''}", verbose)
     if not good:

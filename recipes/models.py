@@ -56,8 +56,9 @@ def vgg16_for_dogcat(*, pretrained: bool = False, weights: str | Path | None = N
         try:
             state = torch.hub.load_state_dict_from_url(url, progress=True, check_hash=True)
         except Exception as exc:  # offline, proxy, disk: all end the same way
-            raise ParallelxError(f"could not download the ImageNet VGG16 weights from {url} ({exc.__class__.__name__}: "
-                                 f"{exc}); download that file where the network allows and pass --weights PATH") from None
+            raise ParallelxError(f"could not download the ImageNet VGG16 weights from {url} "
+                                 f"({exc.__class__.__name__}: {exc}); download that file where the network allows "
+                                 "and pass --weights PATH") from None
         model.load_state_dict(state)
     state = None
     if weights is not None:

@@ -8,7 +8,6 @@ each rank saw.  ``tests/test_distributed.py`` asserts on those files.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys

@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launching import BIN, ROOT, require_launcher
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(420)]
@@ -35,7 +34,7 @@ def smoke(tmp_path_factory):
             pytest.fail("accelerate is not installed; run scripts/setup.sh")
         pytest.skip("accelerate is not installed")
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "benchmarks.run", "--mode", "smoke", "--out-dir", str(out / "results"),
+    cmd = [sys.executable, "-m", "benchmarks.run", "--mode", "smoke", "--control", "--out-dir", str(out / "results"),
            "--work-dir", str(out / "work")]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -82,6 +81,28 @@ def test_parallelx_final_weights_equal_the_plain_scripts(smoke):
         assert any(impl == f"px-{family}" for impl, _ in compared), f"px-{family} weights were not compared"
     for w in result["weights"]:
         assert w["passed"], f"{w['impl']} vs {w['baseline']} on {w['case_id']}: max |diff| {w['max_abs_diff']}"
+
+
+def test_control_runs_of_the_plain_scripts_repeat_them_exactly(smoke):
+    # The same plain script twice: the ratio's noise floor, and a check that
+    # the workload itself is deterministic (else parallelx's equality would mean little).
+    _, result = smoke
+    nproc = result["meta"]["machine"]["nproc"]
+    for family in FAMILIES:
+        same = [w for w in result["weights"] if w["impl"] == f"ctl-{family}" and w["nproc"] == nproc]
+        assert same and all(w["identical"] for w in same), f"ctl-{family}: {same}"
+        assert any(o["impl"] == f"ctl-{family}" and o["baseline"] == f"raw-{family}" for o in result["overhead"])
+
+
+def test_same_process_runs_give_identical_models(smoke):
+    # The plain step and parallelx's alternate in one launch per backend, on
+    # the same batches: their models must end bit-for-bit equal.
+    _, result = smoke
+    by_family = {s["family"]: s for s in result["same_process"]}
+    assert set(by_family) == set(FAMILIES)
+    for family, s in by_family.items():
+        assert s["max_abs_weight_diff"] == 0.0, f"{family}: {s['max_abs_weight_diff']}"
+        assert s["ratio"] > 0 and len(s["block_ratios"]) == s["blocks"] >= 2
 
 
 def test_overhead_scaling_and_loader_are_reported(smoke):

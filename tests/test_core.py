@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from launching import ROOT
 from torch import nn
 
 import parallelx
-from launching import ROOT
 from parallelx import MetricSums, ShardedSampler, real_mask
 from parallelx.errors import ParallelxError, UnknownBackendError
 

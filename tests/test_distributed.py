@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from launching import ROOT, launch, require_launcher
 
 CASES = {
@@ -121,8 +120,9 @@ def test_metrics_count_each_sample_once(job):
 def test_checkpoint_moves_between_backends_and_world_sizes(job, tmp_path):
     """A checkpoint written by 2 ranks of one backend restores into a world of
     one (the single backend), with identical weights and optimizer state."""
-    import parallelx
     from dist_worker import make_model, make_optimizer
+
+    import parallelx
 
     backend = parallelx.get_backend("single")
     backend.init()

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launching import ROOT, launch, require_launcher
 from test_distributed import BLOCK_BACKEND_PACKAGES
 

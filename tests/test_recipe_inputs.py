@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launching import ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -117,9 +116,9 @@ def test_local_imagenet_weights_and_freezing(tmp_path):
 
 
 def test_cifar10_files_are_checked_against_official_md5(tmp_path):
+    from parallelx.errors import ParallelxError
     from recipes.data import GENERATED_MARKER, load_cifar10
     from recipes.make_data import make_cifar10
-    from parallelx.errors import ParallelxError
 
     folder = make_cifar10(tmp_path, n_train=20, n_test=7)
     train, test = load_cifar10(folder)  # generated: marker present, check skipped openly

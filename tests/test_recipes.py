@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from launching import ROOT, launch, require_launcher
+from launching import launch, require_launcher
 
 # (launcher, --backend, extra args).  Val sets have odd sizes: 2 ranks must pad.
 BACKENDS = {
