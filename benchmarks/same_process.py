@@ -84,6 +84,9 @@ def main() -> int:
     options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0} if args.backend == "deepspeed" else {}
     backend = parallelx.get_backend(args.backend, **options)
     backend.init()
+    if backend.world_size != plan.nproc:
+        raise workload.BenchError(f"{plan.impl}: the launcher started {backend.world_size} processes, "
+                                  f"the plan expects {plan.nproc}; check the launcher's process-count flag")
     for case in plan.cases:
         workload.apply_threads(plan, case)
         # Both builds start from the same seeded weights (build_model seeds).
@@ -108,9 +111,6 @@ def main() -> int:
                   "threads": torch.get_num_threads(), "device": str(backend.device), "blocks": blocks,
                   "block_medians_s": {k: [statistics.median(t) for t in v] for k, v in blocks.items()},
                   "max_abs_weight_diff": diff, "final_loss": float(loss.detach().float().cpu())}
-        if backend.world_size != plan.nproc:
-            raise workload.BenchError(f"{plan.impl}: the launcher started {backend.world_size} processes, "
-                                      f"the plan expects {plan.nproc}")
         workload.result_path(out, plan.impl, case, backend.rank).write_text(json.dumps(report))
         del steps, batches, plain_w, px_w
         workload.release(backend.device)
