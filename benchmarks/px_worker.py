@@ -38,6 +38,18 @@ def prepare(backend: parallelx.Backend, case: workload.Case) -> tuple[workload.S
     return train_step, model
 
 
+def make_backend(name: str, plan: workload.Plan) -> parallelx.Backend:
+    """The initialised parallelx backend for the benchmark's processes."""
+    options = {}
+    if name == "deepspeed":
+        # DeepSpeed's config wants the per-process batch; only its bookkeeping
+        # reads it (the data is ours), so the first case's value serves all.
+        options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0}
+    backend = parallelx.get_backend(name, **options)
+    backend.init()
+    return backend
+
+
 @exit_on_error
 @workload.exit_on_bench_error
 def main() -> int:
@@ -45,27 +57,9 @@ def main() -> int:
     parser.add_argument("--backend", required=True, choices=[b for b in parallelx.available_backends() if b != "auto"])
     args, plan = workload.worker_args(lambda a: f"px-{a.backend}", parser)
 
-    options = {}
-    if args.backend == "deepspeed":
-        # DeepSpeed's config wants the per-process batch; only its bookkeeping
-        # reads it (the data is ours), so the first case's value serves all.
-        options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0}
-    backend = parallelx.get_backend(args.backend, **options)
-    backend.init()
-    for case in plan.cases:
-        workload.apply_threads(plan, case)
-        train_step, model = prepare(backend, case)
-        batches = workload.synthetic_batches(case, backend.rank, backend.device)
-        workload.seed_steps(case, backend.rank)
-        times: list[float] = []
-        for x, y in workload.timed_steps(case, batches, backend.device, times):
-            loss = train_step(x, y)
-        # A collective on sharding backends: every rank takes part.
-        weights = backend.model_state_dict(model) if case.save_weights else None
-        workload.record(plan, case, rank=backend.rank, world_size=backend.world_size, device=backend.device,
-                        times=times, loss=loss, weights=weights)
-        del train_step, model, batches, weights
-        workload.release(backend.device)
+    backend = make_backend(args.backend, plan)
+    workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank, world_size=backend.world_size,
+                      device=backend.device, state_dict=backend.model_state_dict)
     backend.shutdown()
     return 0
 

@@ -27,6 +27,7 @@ def main() -> int:
     accelerator = Accelerator()
     device = accelerator.device
     rank = accelerator.process_index
+    workload.check_world_size(plan, accelerator.num_processes)
 
     for case in plan.cases:
         # After Accelerator(), which may set torch's thread count itself on the CPU.

@@ -50,21 +50,8 @@ def main() -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-
-    for case in plan.cases:
-        workload.apply_threads(plan, case)
-        train_step, model = prepare(case, device, local_rank)
-        batches = workload.synthetic_batches(case, rank, device)
-        workload.seed_steps(case, rank)
-        times: list[float] = []
-        for x, y in workload.timed_steps(case, batches, device, times):
-            loss = train_step(x, y)
-        weights = model.state_dict() if case.save_weights else None
-        workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
-                        weights=weights)
-        del train_step, model, batches, weights
-        workload.release(device)
+    workload.run_plan(plan, lambda case: prepare(case, device, local_rank), rank=dist.get_rank(),
+                      world_size=dist.get_world_size(), device=device)
     dist.destroy_process_group()
     return 0
 

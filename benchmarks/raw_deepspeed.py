@@ -13,6 +13,7 @@ ZeRO stage 0, fp32, the client's ``torch.optim.SGD`` handed to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -21,9 +22,9 @@ from torch import nn
 from benchmarks import workload
 
 
-def prepare(case: workload.Case, args: argparse.Namespace | None) -> tuple[workload.Step, nn.Module, torch.device]:
+def prepare(case: workload.Case, args: argparse.Namespace | None) -> tuple[workload.Step, nn.Module]:
     """The engine from ``deepspeed.initialize``, as a training step (and the
-    engine's module, and its device).  ``deepspeed.init_distributed()`` must have run."""
+    engine's module).  ``deepspeed.init_distributed()`` must have run."""
     import deepspeed
 
     ds_config = {
@@ -43,7 +44,7 @@ def prepare(case: workload.Case, args: argparse.Namespace | None) -> tuple[workl
         model_engine.step()
         return loss
 
-    return train_step, model_engine.module, model_engine.device
+    return train_step, model_engine.module
 
 
 @workload.exit_on_bench_error
@@ -56,21 +57,12 @@ def main() -> int:
 
     deepspeed.init_distributed()
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for case in plan.cases:
-        workload.apply_threads(plan, case)
-        train_step, model, device = prepare(case, args)
-        batches = workload.synthetic_batches(case, rank, device)
-        workload.seed_steps(case, rank)
-        times: list[float] = []
-        for x, y in workload.timed_steps(case, batches, device, times):
-            loss = train_step(x, y)
-        weights = model.state_dict() if case.save_weights else None
-        workload.record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss,
-                        weights=weights)
-        del train_step, model, batches, weights
-        workload.release(device)
+    # Where the engine puts the model: the accelerator's device of this local rank.
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+    workload.run_plan(plan, lambda case: prepare(case, args), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                      device=device)
     dist.destroy_process_group()
     return 0
 

@@ -53,20 +53,8 @@ def main() -> int:
     else:
         device = torch.device("cpu")
 
-    for case in plan.cases:
-        # The guide limits each worker's CPU threads; the plan says how many.
-        workload.apply_threads(plan, case)
-        train_step, model = prepare(case, device)
-        batches = workload.synthetic_batches(case, hvd.rank(), device)
-        workload.seed_steps(case, hvd.rank())
-        times: list[float] = []
-        for x, y in workload.timed_steps(case, batches, device, times):
-            loss = train_step(x, y)
-        weights = model.state_dict() if case.save_weights else None
-        workload.record(plan, case, rank=hvd.rank(), world_size=hvd.size(), device=device, times=times, loss=loss,
-                        weights=weights)
-        del train_step, model, batches, weights
-        workload.release(device)
+    # The guide limits each worker's CPU threads; the plan says how many (run_plan sets them).
+    workload.run_plan(plan, lambda case: prepare(case, device), rank=hvd.rank(), world_size=hvd.size(), device=device)
     hvd.shutdown()
     return 0
 

@@ -52,8 +52,7 @@ def plain_prepare(name: str, case: workload.Case, backend: parallelx.Backend) ->
         return raw_horovod.prepare(case, backend.device)
     from benchmarks import raw_deepspeed
 
-    step, model, _ = raw_deepspeed.prepare(case, None)
-    return step, model
+    return raw_deepspeed.prepare(case, None)
 
 
 def time_block(step: workload.Step, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int, warmup: int,
@@ -81,12 +80,8 @@ def main() -> int:
     if args.blocks < 1:
         raise workload.BenchError(f"--blocks must be >= 1, got {args.blocks}")
 
-    options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0} if args.backend == "deepspeed" else {}
-    backend = parallelx.get_backend(args.backend, **options)
-    backend.init()
-    if backend.world_size != plan.nproc:
-        raise workload.BenchError(f"{plan.impl}: the launcher started {backend.world_size} processes, "
-                                  f"the plan expects {plan.nproc}; check the launcher's process-count flag")
+    backend = px_worker.make_backend(args.backend, plan)
+    workload.check_world_size(plan, backend.world_size)
     for case in plan.cases:
         workload.apply_threads(plan, case)
         # Both builds start from the same seeded weights (build_model seeds).

@@ -236,13 +236,39 @@ def weights_path(out: str | os.PathLike[str], impl: str, case: Case) -> Path:
     return Path(out) / f"{impl}.{case.id}.weights.pt"
 
 
+def check_world_size(plan: Plan, world_size: int) -> None:
+    """Before measuring: a launcher that started the wrong number of processes is an error."""
+    if world_size != plan.nproc:
+        raise BenchError(f"{plan.impl}: the launcher started {world_size} processes, the plan expects {plan.nproc}; "
+                         "check the launcher's process-count flag")
+
+
+def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, world_size: int,
+             device: torch.device, state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
+    """Measure every case of ``plan`` in this process.  ``prepare(case)``
+    builds the worker's own training step and model; threads, data, seeds,
+    timing and result files are the same for every worker.  The final weights
+    come from ``state_dict(model)`` (default: the model's own), which every
+    rank calls: on sharding backends it is a collective."""
+    check_world_size(plan, world_size)
+    for case in plan.cases:
+        apply_threads(plan, case)
+        train_step, model = prepare(case)
+        batches = synthetic_batches(case, rank, device)
+        seed_steps(case, rank)
+        times: list[float] = []
+        for x, y in timed_steps(case, batches, device, times):
+            loss = train_step(x, y)
+        weights = (state_dict or nn.Module.state_dict)(model) if case.save_weights else None
+        record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss, weights=weights)
+        del train_step, model, batches, weights
+        release(device)
+
+
 def record(plan: Plan, case: Case, *, rank: int, world_size: int, device: torch.device, times: list[float],
            loss: torch.Tensor, weights: dict[str, torch.Tensor] | None, extra: dict[str, Any] | None = None) -> None:
     """Write this rank's measurements of ``case`` (and, on rank 0, the final
     weights when the case asks for them)."""
-    if world_size != plan.nproc:
-        raise BenchError(f"{plan.impl}: the launcher started {world_size} processes, the plan expects {plan.nproc}; "
-                         "check the launcher's process-count flag")
     out = Path(plan.out)
     out.mkdir(parents=True, exist_ok=True)
     median = statistics.median(times)
