@@ -419,10 +419,9 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
                 "base_id": f"{case.model}-{case.image_size}px-b{case.batch}",
                 "image_size": case.image_size, "warmup": case.warmup, "steps": case.steps,
                 "device": reports[0]["device"],
-                "step_times_s": [], "rounds": [], "round_step_times_s": [], "repeat_medians_s": [],
+                "rounds": [], "round_step_times_s": [], "repeat_medians_s": [],
                 "peak_rss_mib": 0.0, "peak_gpu_mib": None,
                 "final_loss": reports[0]["final_loss"], "repeats": 0})
-            row["step_times_s"] += steps
             row["rounds"].append(job.repeat)
             row["round_step_times_s"].append(steps)
             row["repeat_medians_s"].append(statistics.median(steps))
@@ -433,9 +432,10 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
             row["repeats"] += 1
     rows = []
     for row in pooled.values():
-        med = statistics.median(row["step_times_s"])
+        pooled = [t for steps in row["round_step_times_s"] for t in steps]
+        med = statistics.median(pooled)
         imgs = row["nproc"] * row["batch"]
-        row.update(median_step_s=med, p10_step_s=quantile(row["step_times_s"], 0.1), images_per_s=imgs / med,
+        row.update(median_step_s=med, p10_step_s=quantile(pooled, 0.1), images_per_s=imgs / med,
                    epoch_s_projected=-(-MODELS[row["model"]]["train_images"] // imgs) * med)
         rows.append(row)
     order = list(IMPLS)
@@ -666,6 +666,13 @@ def hardware(machine: Machine) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- main
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -675,12 +682,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
     p.add_argument("--image-size", type=int, default=None, help="VGG16 / loader image size (default: the mode's)")
     p.add_argument("--nproc", type=int, default=None, help="processes per run (default: the GPU count, else 2)")
-    p.add_argument("--repeats", type=int, default=None, help="raw/parallelx alternations (default: the mode's)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="raw/parallelx alternations (default: the mode's)")
     p.add_argument("--control", action="store_true",
                    help="also run each plain script a second time and compare it with itself: the noise floor")
-    p.add_argument("--blocks", type=int, default=None,
+    p.add_argument("--blocks", type=positive_int, default=None,
                    help="same-process part: alternating blocks of each implementation (default: the mode's)")
-    p.add_argument("--steps", type=int, default=None, help="timed LeNet steps per launch (default: the mode's)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed LeNet steps per launch (default: the mode's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
                    help="a real Dogs-vs-Cats folder for the loader benchmark (default: generated images)")
@@ -709,18 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.image_size is not None:
         overrides["image_size"] = args.image_size
-    if args.repeats is not None:
-        if args.repeats < 1:
-            raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
-        overrides["repeats"] = args.repeats
-    if args.blocks is not None:
-        if args.blocks < 1:
-            raise BenchError(f"--blocks must be >= 1, got {args.blocks}")
-        overrides["same_blocks"] = args.blocks
-    if args.steps is not None:
-        if args.steps < 1:
-            raise BenchError(f"--steps must be >= 1, got {args.steps}")
-        overrides["lenet_steps"] = args.steps
+    for option, field in (("repeats", "repeats"), ("blocks", "same_blocks"), ("steps", "lenet_steps")):
+        if getattr(args, option) is not None:
+            overrides[field] = getattr(args, option)
     if args.timeout is not None:
         overrides["timeout_s"] = args.timeout
     preset = replace(preset, **overrides)

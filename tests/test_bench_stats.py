@@ -16,7 +16,7 @@ def row(impl: str, rounds: dict[int, list[float]], *, nproc: int = 2, case: str 
     median = sorted(times)[len(times) // 2]
     return {"impl": impl, "nproc": nproc, "case_id": case, "base_id": case, "model": "lenet", "batch": 256,
             "threads": 1, "rounds": sorted(rounds), "round_step_times_s": [rounds[r] for r in sorted(rounds)],
-            "repeat_medians_s": medians, "step_times_s": times, "median_step_s": median, "p10_step_s": min(times),
+            "repeat_medians_s": medians, "median_step_s": median, "p10_step_s": min(times),
             "images_per_s": nproc * 256 / median}
 
 
