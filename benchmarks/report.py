@@ -190,7 +190,8 @@ def chart(result: dict[str, Any], path: Path) -> None:
         main_lenet = r["batch"] == result["meta"]["preset"]["lenet_batch"]
         if r["case_id"] not in cases and (r["model"] == "vgg16" or main_lenet):
             cases.append(r["case_id"])
-    panels = len(cases) + (1 if result["scaling"] else 0) + (1 if result["overhead"] else 0)
+    same = result.get("same_process") or []  # absent from results written before that part existed
+    panels = len(cases) + (1 if result["scaling"] else 0) + (1 if result["overhead"] or same else 0)
     cols = 2 if panels > 1 else 1
     rows_n = -(-max(1, panels) // cols)
     fig, grid = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.4 * rows_n), squeeze=False)
@@ -206,25 +207,28 @@ def chart(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("images/s (higher is better)")
         ax.tick_params(axis="x", labelsize=7)
     rest = axes[len(cases):]
-    if result["overhead"] and rest:
+    if (result["overhead"] or same) and rest:
         ax = rest.pop(0)
         n = result["meta"]["machine"]["nproc"]
         ov = [o for o in result["overhead"] if o["impl"][:3] in ("px-", "ctl") and o["nproc"] == n]
         ov.sort(key=lambda o: (o["impl"].split("-", 1)[1], o["case_id"], o["impl"].startswith("ctl")))
-        ratios = [o["ratio"] for o in ov]
-        labels = [f"{o['impl'].split('-', 1)[1]}{' again' if o['impl'].startswith('ctl') else ''}\n"
-                  f"{o['case_id'].replace('-32px', '')}" for o in ov]
-        ax.bar(labels, ratios, color=[colors[o["impl"][:3]] for o in ov])
+        # (label, ratio, 95 % interval, single rounds or blocks, colour) per bar.
+        bars = [(f"{o['impl'].split('-', 1)[1]}{' again' if o['impl'].startswith('ctl') else ''}\n"
+                 f"{o['case_id'].replace('-32px', '')}", o["ratio"], o.get("ci95"), o["repeat_ratios"],
+                 colors[o["impl"][:3]]) for o in ov]
+        bars += [(f"{o['family']} same\nprocess", o["ratio"], o.get("ci95"), o["block_ratios"], colors["px-"])
+                 for o in same if o["nproc"] == n]
+        ratios = [b[1] for b in bars]
+        ax.bar([b[0] for b in bars], ratios, color=[b[4] for b in bars])
         # 95 % intervals, where the run had enough rounds for one.
-        with_ci = [i for i, o in enumerate(ov) if o.get("ci95")]
+        with_ci = [i for i, b in enumerate(bars) if b[2]]
         for i in with_ci:
-            ax.plot([i, i], ov[i]["ci95"], color="#d62728", lw=2, label="95 % interval" if i == with_ci[0] else None)
-            ratios += ov[i]["ci95"]
-        # Each round's own ratio: the spread is the machine's noise.
-        for i, o in enumerate(ov):
-            ax.plot([i] * len(o["repeat_ratios"]), o["repeat_ratios"], "k.", ms=4,
-                    label="single rounds" if i == 0 else None)
-        ratios += [r for o in ov for r in o["repeat_ratios"]]
+            ax.plot([i, i], bars[i][2], color="#d62728", lw=2, label="95 % interval" if i == with_ci[0] else None)
+            ratios += bars[i][2]
+        # Each round's (or block's) own ratio: the spread is the machine's noise.
+        for i, b in enumerate(bars):
+            ax.plot([i] * len(b[3]), b[3], "k.", ms=4, label="single rounds / blocks" if i == 0 else None)
+        ratios += [r for b in bars for r in b[3]]
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(result["meta"]["ratio_target"], color="red", ls="--", lw=0.8, label="target")
         ax.set_ylim(min([0.9, *ratios]) - 0.02, max([1.1, *ratios]) + 0.02)
