@@ -35,6 +35,16 @@ from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxErro
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
 
+def remove_shm_buffers(port: str | int | None, addr: str | None = "*", rank: int | str = "*") -> None:
+    """Delete DeepSpeed's CPU all-reduce buffers of one launch (its master
+    port), optionally of one address and rank.  Each rank maps a 69 MB file
+    into /dev/shm (RAM), named by master address, port and rank, and DeepSpeed
+    never removes it: every launch on a new port would leak one per rank, and
+    a crashed or killed rank cannot clean up after itself."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
+        path.unlink(missing_ok=True)  # mappings stay valid until the process exits
+
+
 class DeepSpeedOptimizer:
     """The optimizer side of a DeepSpeed engine, shaped like a torch optimizer.
 
@@ -166,13 +176,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
     def shutdown(self) -> None:
         if self._initialized:
-            # DeepSpeed's CPU all-reduce maps a 69 MB buffer per rank into
-            # /dev/shm (RAM), named by master address, port and rank, and never
-            # removes it: every launch on a new port would leak one per rank.
-            self.barrier()
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{self.rank}"):
-                path.unlink(missing_ok=True)  # mappings stay valid until the process exits
+            self.barrier()  # every rank is done with the buffers
+            remove_shm_buffers(os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR"), self.rank)
         super().shutdown()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

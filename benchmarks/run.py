@@ -258,7 +258,10 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
             raise
         finally:
             if impl.launcher == "deepspeed":
-                remove_deepspeed_buffers(cmd)
+                # Plain DeepSpeed scripts, and killed ranks, leave their /dev/shm buffers behind.
+                from backends.deepspeed import remove_shm_buffers
+
+                remove_shm_buffers(cmd[cmd.index("--master_port") + 1])
     job.seconds = time.monotonic() - start
     job.log = str(log_file)
     tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
@@ -282,15 +285,6 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def remove_deepspeed_buffers(cmd: list[str]) -> None:
-    """DeepSpeed's CPU all-reduce leaves a 69 MB file per rank in /dev/shm
-    (RAM), named by the launch's port; plain DeepSpeed scripts, and killed
-    ranks, never remove it, and a long benchmark would fill the memory."""
-    port = cmd[cmd.index("--master_port") + 1]
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-        path.unlink(missing_ok=True)
 
 
 def _die_with_parent() -> None:

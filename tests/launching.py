@@ -66,9 +66,9 @@ def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float =
     finally:
         if launcher == "deepspeed":
             # A crashed or killed rank cannot remove its DeepSpeed /dev/shm buffer.
-            port = cmd[cmd.index("--master_port") + 1]
-            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-                path.unlink(missing_ok=True)
+            from backends.deepspeed import remove_shm_buffers
+
+            remove_shm_buffers(cmd[cmd.index("--master_port") + 1])
 
 
 def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float, start: float) -> Result:
