@@ -30,6 +30,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from collections import deque
 from collections.abc import Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -46,6 +47,17 @@ REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 1800.0
+
+# Handles of the most recent torch.distributed collectives, kept until the
+# interpreter itself frees them.  Gloo's worker thread drops its reference to a
+# finished work after the caller has already returned; when that is the last
+# reference, the worker destroys the work's tensors and takes the GIL to do it.
+# If the script has meanwhile reached interpreter shutdown, Python ends that
+# thread inside a C++ destructor and the process aborts ("terminate called
+# without an active exception", exit -6) after all of its work was done.  A
+# barrier also holds the works that were still in flight when it started, so
+# holding the last few handles here leaves the worker nothing to destroy.
+_RECENT_WORK: deque[Any] = deque(maxlen=16)
 
 
 def default_timeout() -> float:
@@ -357,18 +369,18 @@ class ProcessGroupBackend(Backend):
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         self._require_init()
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=red)
+        _wait(dist.all_reduce(tensor, op=red, async_op=True))
         return tensor
 
     def barrier(self) -> None:
         self._require_init()
-        dist.barrier()
+        _wait(dist.barrier(async_op=True))
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         self._require_init()
         if isinstance(obj, torch.Tensor):
             out = obj.detach().to(self._comm_device(obj), copy=True)
-            dist.broadcast(out, src=src)
+            _wait(dist.broadcast(out, src=src, async_op=True))
             return out.to(obj.device)  # type: ignore[return-value]
         box = [obj]
         dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
@@ -381,6 +393,12 @@ class ProcessGroupBackend(Backend):
 
 
 # ---------------------------------------------------------------- helpers
+def _wait(work: Any) -> None:
+    """Wait for an ``async_op=True`` collective and keep its handle (see _RECENT_WORK)."""
+    work.wait()
+    _RECENT_WORK.append(work)
+
+
 def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or (
         callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups"))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import parallelx
+import parallelx.backend as pxb
 from parallelx import MetricSums, real_mask
 from parallelx.cli import exit_on_error
 
@@ -145,8 +146,11 @@ def main() -> int:
         sums.update(chunk, chunk.long() % 2 == 0, real_mask(eval_sampler, start, len(chunk)))
     report["metrics"] = sums.compute(backend)
 
-    (out / f"rank{r}.json").write_text(json.dumps(report))
+    # 6. the last collective's handle outlives this function (see parallelx.backend._RECENT_WORK)
     backend.barrier()
+    held = list(pxb._RECENT_WORK)
+    report["last_work_held"] = bool(held) and all(w.is_completed() for w in held)
+    (out / f"rank{r}.json").write_text(json.dumps(report))
     backend.shutdown()
     return 0
 

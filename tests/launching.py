@@ -57,7 +57,8 @@ def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float =
            env: dict[str, str] | None = None) -> Result:
     cmd = launcher_command(launcher, target, nproc)
     full_env = dict(os.environ)
-    full_env.update(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="120",
+    # PYTHONFAULTHANDLER: a rank killed by a signal (a native abort) prints its Python stacks.
+    full_env.update(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="120", PYTHONFAULTHANDLER="1",
                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     full_env.update(env or {})
     start = time.monotonic()
