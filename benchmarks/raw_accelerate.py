@@ -31,7 +31,7 @@ def main() -> int:
 
     for case in plan.cases:
         # After Accelerator(), which may set torch's thread count itself on the CPU.
-        workload.apply_threads(plan, case)
+        workload.apply_threads(plan, case, local_rank=accelerator.local_process_index)
         model = workload.build_model(case)
         optimizer = workload.make_optimizer(model, case)
         model, optimizer = accelerator.prepare(model, optimizer)

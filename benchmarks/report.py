@@ -62,7 +62,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- Software: Python {v['python']}, torch {v['torch']}, torchvision {v['torchvision']}, "
         f"deepspeed {v['deepspeed']}, horovod {v['horovod']}, accelerate {v['accelerate']}",
         f"- Processes: {m['nproc']} per run ({m['comm']}), {m['threads_n']} torch thread(s) each "
-        f"(OMP_NUM_THREADS={m['threads_n']}); 1-process runs use {m['threads_1']} thread(s)",
+        f"(OMP_NUM_THREADS={m['threads_n']}); 1-process runs use {m['threads_1']} thread(s); "
+        + ("each process pinned to its own core(s), local rank r with t threads on the r-th block of t cores, "
+           "the same for every implementation" if m.get("bind_cores") else "processes not pinned to cores"),
         f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f}",
         f"- Warm-up steps excluded; step times pooled over {meta['preset']['repeats']} alternating round(s) of "
         f"plain/parallelx launches"

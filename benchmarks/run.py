@@ -159,6 +159,7 @@ class Machine:
     threads_n: int  # torch threads per process when nproc processes share the machine
     threads_1: int  # ... when one process has it alone
     comm: str  # what the process groups use: nccl or gloo
+    bind_cores: bool  # each CPU process pinned to its own block of cores
 
 
 # ------------------------------------------------------------------ launching
@@ -234,7 +235,8 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
     out = job_dir(work, job)
     plan_file = work / "plans" / f"{job.tag}.json"
     plan_file.parent.mkdir(parents=True, exist_ok=True)
-    Plan(impl=job.impl, nproc=job.nproc, threads=job.threads, out=str(out), cases=job.cases).dump(plan_file)
+    Plan(impl=job.impl, nproc=job.nproc, threads=job.threads, out=str(out), cases=job.cases,
+         bind_cores=machine.bind_cores).dump(plan_file)
     cmd = launch_command(impl, job.nproc, job.threads, ["--plan", str(plan_file), *job.extra_args], machine)
     log_file = work / "logs" / f"{job.tag}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +414,7 @@ def collect(jobs: list[Job], work: Path) -> list[dict[str, Any]]:
                 "threads": reports[0]["threads"], "case_id": case.id, "model": case.model, "batch": case.batch,
                 "base_id": f"{case.model}-{case.image_size}px-b{case.batch}",
                 "image_size": case.image_size, "warmup": case.warmup, "steps": case.steps,
-                "device": reports[0]["device"],
+                "device": reports[0]["device"], "cores": [rep.get("cores") for rep in reports],
                 "rounds": [], "round_step_times_s": [], "repeat_medians_s": [],
                 "peak_rss_mib": 0.0, "peak_gpu_mib": None,
                 "final_loss": reports[0]["final_loss"], "repeats": 0})
@@ -616,7 +618,7 @@ def loader_report(p: Preset, machine: Machine, work: Path, rows: list[dict[str, 
 
 
 # -------------------------------------------------------------------- machine
-def detect_machine(nproc: int | None) -> Machine:
+def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -627,8 +629,10 @@ def detect_machine(nproc: int | None) -> Machine:
         raise BenchError(f"--nproc {n} is more than the {gpus} visible GPUs; use --nproc {gpus} or fewer")
     if n < 1:
         raise BenchError(f"--nproc must be >= 1, got {n}")
+    # Pinning is for CPU runs only: on GPUs the cores' layout (NUMA) is the launcher's business.
     return Machine(gpus=gpus, gpu_names=names, cores=cores, nproc=n, threads_n=max(1, cores // n),
-                   threads_1=max(1, cores), comm="nccl" if gpus else "gloo")
+                   threads_1=max(1, cores), comm="nccl" if gpus else "gloo",
+                   bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
 
 
 def versions() -> dict[str, str | None]:
@@ -684,6 +688,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="same-process part: alternating blocks of each implementation (default: the mode's)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed LeNet steps per launch (default: the mode's)")
+    p.add_argument("--no-bind", dest="bind_cores", action="store_false",
+                   help="leave the CPU processes unpinned (default: each on its own cores, the same for every "
+                        "implementation)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
                    help="a real Dogs-vs-Cats folder for the loader benchmark (default: generated images)")
@@ -720,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = replace(preset, **overrides)
     if preset.image_size < 32:
         raise BenchError(f"--image-size {preset.image_size} is too small for VGG16; use at least 32")
-    machine = detect_machine(args.nproc)
+    machine = detect_machine(args.nproc, bind_cores=args.bind_cores)
     if machine.gpus == 0 and machine.nproc > machine.cores:
         print(f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
               file=sys.stderr)
@@ -738,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="parallelx-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
-          f"(1-process runs: {machine.threads_1}), {machine.comm}; work dir {work}", flush=True)
+          f"(1-process runs: {machine.threads_1}), {machine.comm}, "
+          f"{'pinned to cores' if machine.bind_cores else 'not pinned'}; work dir {work}", flush=True)
     # The same-process part needs each backend's package and launcher, whether or not its own part runs.
     same = tuple(f for f in FAMILIES if unavailable(f) is None) if "same-process" in parts else ()
     jobs = schedule(preset, parts, args.model_list, machine, control=args.control, same_process=same)

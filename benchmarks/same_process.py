@@ -83,7 +83,7 @@ def main() -> int:
     backend = px_worker.make_backend(args.backend, plan)
     workload.check_world_size(plan, backend.world_size)
     for case in plan.cases:
-        workload.apply_threads(plan, case)
+        workload.apply_threads(plan, case, local_rank=backend.local_rank)
         # Both builds start from the same seeded weights (build_model seeds).
         steps = {"plain": plain_prepare(args.backend, case, backend), "parallelx": px_worker.prepare(backend, case)}
         batches = workload.synthetic_batches(case, backend.rank, backend.device)

@@ -108,12 +108,13 @@ class Plan:
     threads: int  # torch threads per process
     out: str  # directory for the result files
     cases: list[Case] = field(default_factory=list)
+    bind_cores: bool = False  # pin each process to its own cores (see apply_threads)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         raw = json.loads(Path(path).read_text())
         return cls(impl=raw["impl"], nproc=raw["nproc"], threads=raw["threads"], out=raw["out"],
-                   cases=[Case(**c) for c in raw["cases"]])
+                   cases=[Case(**c) for c in raw["cases"]], bind_cores=raw.get("bind_cores", False))
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -156,12 +157,39 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def apply_threads(plan: Plan, case: Case | None = None) -> None:
+# The cores this worker was started with, before apply_threads narrowed them.
+_STARTED_ON: list[int] | None = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+
+
+def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) -> list[int] | None:
     """Give this process the plan's (or the case's own) number of intra-op
     threads.  The launcher already exported OMP_NUM_THREADS; setting torch's
     pool explicitly as well makes every worker equal whatever its framework
-    does with that variable."""
-    torch.set_num_threads(case.threads if case is not None and case.threads else plan.threads)
+    does with that variable.
+
+    With ``plan.bind_cores``, also pin the process to its own block of cores
+    (local rank r with t threads gets the r-th block of t): every
+    implementation gets the same binding.  Unpinned, the ranks' threads and
+    the communication threads migrate between the cores, and each lockstep
+    all-reduce waits for whichever rank was slowed most.  Returns the cores
+    bound to, or None when the cores are left to the OS."""
+    threads = case.threads if case is not None and case.threads else plan.threads
+    torch.set_num_threads(threads)
+    if not plan.bind_cores or _STARTED_ON is None:
+        return None
+    block = _STARTED_ON[local_rank * threads:(local_rank + 1) * threads]
+    if len(block) < threads:
+        return None  # fewer cores than processes x threads: nothing sensible to pin
+    os.sched_setaffinity(0, block)
+    return block
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank on its machine, from whichever launcher started it."""
+    for var in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return rank
 
 
 def build_model(case: Case) -> nn.Module:
@@ -252,7 +280,7 @@ def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, r
     rank calls: on sharding backends it is a collective."""
     check_world_size(plan, world_size)
     for case in plan.cases:
-        apply_threads(plan, case)
+        apply_threads(plan, case, local_rank=local_rank(rank))
         train_step, model = prepare(case)
         batches = synthetic_batches(case, rank, device)
         seed_steps(case, rank)
@@ -275,6 +303,7 @@ def record(plan: Plan, case: Case, *, rank: int, world_size: int, device: torch.
     report = {
         "impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
         "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "device": str(device), "step_times_s": times, "median_step_s": median,
         "images_per_s": world_size * case.batch / median,
         "epoch_s_projected": math.ceil(MODELS[case.model]["train_images"] / (world_size * case.batch)) * median,

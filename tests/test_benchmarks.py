@@ -62,6 +62,21 @@ def test_writes_json_markdown_and_chart(smoke):
     assert result["meta"]["machine"]["threads_n"] >= 1
 
 
+def test_each_process_is_pinned_to_its_own_cores(smoke):
+    _, result = smoke
+    machine = result["meta"]["machine"]
+    assert machine["bind_cores"] == (machine["gpus"] == 0 and hasattr(os, "sched_setaffinity"))
+    if not machine["bind_cores"]:
+        pytest.skip("processes are pinned only on the CPU (Linux)")
+    pinned = [r for r in result["runs"] if r["nproc"] * r["threads"] <= machine["cores"]]
+    assert pinned, "no run fits the cores"
+    for r in pinned:
+        per_rank = r["cores"]
+        assert [len(c) for c in per_rank] == [r["threads"]] * r["nproc"], f"{r['impl']} {r['case_id']}: {per_rank}"
+        flat = [core for cores in per_rank for core in cores]
+        assert len(set(flat)) == len(flat), f"{r['impl']} {r['case_id']}: ranks share a core: {per_rank}"
+
+
 def test_every_backend_has_results_for_both_models(smoke):
     _, result = smoke
     nproc = result["meta"]["machine"]["nproc"]
