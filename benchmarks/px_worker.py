@@ -58,7 +58,8 @@ def main() -> int:
     args, plan = workload.worker_args(lambda a: f"px-{a.backend}", parser)
 
     backend = make_backend(args.backend, plan)
-    workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank, world_size=backend.world_size,
+    workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank, local_rank=backend.local_rank,
+                      world_size=backend.world_size,
                       device=backend.device, state_dict=backend.model_state_dict)
     backend.shutdown()
     return 0

@@ -51,7 +51,7 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     workload.run_plan(plan, lambda case: prepare(case, device, local_rank), rank=dist.get_rank(),
-                      world_size=dist.get_world_size(), device=device)
+                      local_rank=local_rank, world_size=dist.get_world_size(), device=device)
     dist.destroy_process_group()
     return 0
 

@@ -60,9 +60,10 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
 
     # Where the engine puts the model: the accelerator's device of this local rank.
-    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
-    workload.run_plan(plan, lambda case: prepare(case, args), rank=dist.get_rank(), world_size=dist.get_world_size(),
-                      device=device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(get_accelerator().device_name(local_rank))
+    workload.run_plan(plan, lambda case: prepare(case, args), rank=dist.get_rank(), local_rank=local_rank,
+                      world_size=dist.get_world_size(), device=device)
     dist.destroy_process_group()
     return 0
 

@@ -54,7 +54,8 @@ def main() -> int:
         device = torch.device("cpu")
 
     # The guide limits each worker's CPU threads; the plan says how many (run_plan sets them).
-    workload.run_plan(plan, lambda case: prepare(case, device), rank=hvd.rank(), world_size=hvd.size(), device=device)
+    workload.run_plan(plan, lambda case: prepare(case, device), rank=hvd.rank(), local_rank=hvd.local_rank(),
+                      world_size=hvd.size(), device=device)
     hvd.shutdown()
     return 0
 

@@ -184,14 +184,6 @@ def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) 
     return block
 
 
-def local_rank(rank: int) -> int:
-    """This process's rank on its machine, from whichever launcher started it."""
-    for var in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return rank
-
-
 def build_model(case: Case) -> nn.Module:
     """The recipes' model, with the same initial weights in every process and
     every worker (seeded here, just before construction)."""
@@ -271,8 +263,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
                          "check the launcher's process-count flag")
 
 
-def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, world_size: int,
-             device: torch.device, state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
+def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, local_rank: int,
+             world_size: int, device: torch.device, state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
     """Measure every case of ``plan`` in this process.  ``prepare(case)``
     builds the worker's own training step and model; threads, data, seeds,
     timing and result files are the same for every worker.  The final weights
@@ -280,7 +272,7 @@ def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, r
     rank calls: on sharding backends it is a collective."""
     check_world_size(plan, world_size)
     for case in plan.cases:
-        apply_threads(plan, case, local_rank=local_rank(rank))
+        apply_threads(plan, case, local_rank=local_rank)
         train_step, model = prepare(case)
         batches = synthetic_batches(case, rank, device)
         seed_steps(case, rank)
