@@ -2,31 +2,40 @@
 
     torchrun --nproc-per-node 2 -m recipes.cifar10 --backend ddp
 
-NCCL on GPUs (device ``cuda:$LOCAL_RANK``), Gloo on the CPU.  Started without
-a launcher, it runs as a world of one process (and says how to launch more),
-which keeps ``python train.py --backend ddp`` usable for debugging.
+NCCL on GPUs (device ``cuda:$LOCAL_RANK``), Gloo on the CPU.  Gradients are
+averaged over the ranks, so with equal per-rank batches the update is that of
+one process on the global batch.  Started without a launcher, it runs as a
+world of one process (and says how to launch more), which keeps
+``python train.py --backend ddp`` usable for debugging.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping, Sequence
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from parallelx.backend import ProcessGroupBackend, warn
+from parallelx.launch import Launcher, free_port
+from parallelx.log import warn
+from parallelx.process_group import ProcessGroupBackend
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TORCHRUN = Launcher(
+    name="torchrun",
+    module="torchrun --nproc-per-node {n} {opts} -m {module}",
+    file="torchrun --nproc-per-node {n} {opts} {file}",
+    local_opts="--master-addr 127.0.0.1 --master-port {port}",
+    local_env={"GLOO_SOCKET_IFNAME": "lo"},
+)
 
 
 class DDPBackend(ProcessGroupBackend):
     name = "ddp"
+    launcher = TORCHRUN
+    probe_code = ("import torch, torch.distributed as d; print('torch.distributed:', "
+                  "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
+                  "'(gloo available)' if d.is_gloo_available() else '(no gloo)')")
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
@@ -36,25 +45,24 @@ class DDPBackend(ProcessGroupBackend):
             return 5  # another launcher exporting the torch.distributed variables
         return 0
 
-    def init(self) -> None:
+    def _init(self) -> None:
         if "RANK" not in os.environ:
-            warn("ddp: no launcher found, running as a world of 1 process; "
-                 "for N processes start with `torchrun --nproc-per-node N ...`")
+            warn(f"ddp: no launcher found, running as a world of 1 process; for N processes start with "
+                 f"`{self.launcher.usage()}`")
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self._device = self._pick_device()
+        self._device = self._pick_device(self._local_rank)
         self._init_process_group()
-        import torch.distributed as dist
-
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self._world_size))
-        self._limit_cpu_threads(self._local_world_size)
-        self._initialized = True
+        self._read_world()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._require_init()
         model = model.to(self.device)
+        if self.world_size > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            warn("ddp: BatchNorm layers normalise with each process's own batch statistics (rank 0's running "
+                 "statistics are kept); convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm for "
+                 "global-batch statistics")
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)

@@ -3,8 +3,11 @@
     python -m recipes.dogcat --backend dp
 
 DataParallel splits each batch across the GPUs and gathers the outputs on
-``cuda:0``; the loss is computed on the whole batch, so the math is that of a
-single device.  With fewer than two GPUs it runs exactly like ``single``.
+``cuda:0``; the loss is computed on the whole batch, so the update is that of
+a single device.  Two things differ, both inherent to DataParallel and said
+once when the model has BatchNorm: each GPU normalises with the statistics of
+its slice of the batch, and only ``cuda:0``'s running statistics are kept.
+With fewer than two GPUs (or ``device="cpu"``) it runs exactly like ``single``.
 """
 
 from __future__ import annotations
@@ -14,26 +17,38 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from parallelx.backend import Backend, warn
+from parallelx.local import LocalBackend
+from parallelx.log import warn
 
 
-class DataParallelBackend(Backend):
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+class DataParallelBackend(LocalBackend):
     name = "dp"
+    probe_code = ("import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+                  "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')")
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
         # No launcher, several GPUs: one process driving all of them.
         return 1 if torch.cuda.is_available() and torch.cuda.device_count() > 1 else 0
 
-    def init(self) -> None:
-        self._gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self._device = torch.device("cuda", 0) if self._gpus else torch.device("cpu")
+    def _init(self) -> None:
+        self._device = self._pick_device(0)
+        self._gpus = torch.cuda.device_count() if self._device.type == "cuda" else 0
         if self._gpus < 2 and self.verbose:
-            where = "1 GPU" if self._gpus == 1 else "no GPU"
-            warn(f"dp: {where} visible, so DataParallel has nothing to split over; running as 'single'")
-        self._initialized = True
+            where = "1 GPU is" if self._gpus == 1 else ("the CPU was asked for" if self.device_request == "cpu"
+                                                        else "no GPU is")
+            warn(f"dp: {where} in use, so DataParallel has nothing to split over; running as 'single'")
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._require_init()
         model = model.to(self.device)
-        return nn.DataParallel(model) if self._gpus > 1 else model
+        if self._gpus < 2:
+            return model
+        if has_batchnorm(model):
+            warn("dp: DataParallel normalises each GPU's slice of the batch with that slice's statistics "
+                 "and keeps cuda:0's running statistics only; BatchNorm layers do not compute what one device does")
+        return nn.DataParallel(model)

@@ -4,36 +4,52 @@
 
 Horovod 0.28.1 must be built against the installed torch; see
 ``scripts/build_horovod.py``.  The optimizer is wrapped in
-``hvd.DistributedOptimizer`` (gradients averaged across ranks, as DDP does),
-and rank 0's initial parameters and optimizer state are broadcast.
+``hvd.DistributedOptimizer`` with plain settings, written out below so that
+they are visible: gradients averaged (as DDP does), no compression, no
+pre-division, one backward pass per step.  Rank 0's initial parameters (and a
+loaded optimizer state) are broadcast.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, ParallelxError
+from parallelx.launch import Launcher
+from parallelx.log import warn
+from parallelx.protocol import Backend
 
 T = TypeVar("T")
 INSTALL_HINT = "build and install it with `python scripts/build_horovod.py` (Horovod 0.28.1 patched for current torch)"
 
+HOROVODRUN = Launcher(
+    name="horovodrun",
+    module="horovodrun -np {n} {opts} {python} -m {module}",
+    file="horovodrun -np {n} {opts} {python} {file}",
+    # Horovod's Gloo rendezvous picks its own port.
+    local_opts="-H localhost:{n} --gloo --network-interface lo",
+    local_env={"GLOO_SOCKET_IFNAME": "lo"},
+)
+
 
 class HorovodBackend(Backend):
     name = "horovod"
+    launcher = HOROVODRUN
     requires_module = "horovod"
     install_hint = INSTALL_HINT
+    probe_code = ("import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
+                  "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')")
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
         return 20 if "HOROVOD_RANK" in environ else 0
 
-    def init(self) -> None:
+    def _init(self) -> None:
         # Horovod reads its timeouts from the environment: the Gloo rendezvous
         # timeout, and the stall inspector, which by default only warns about a
         # rank that never joins a collective; make it shut the job down instead.
@@ -47,6 +63,7 @@ class HorovodBackend(Backend):
                            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout)):
             if self.timeout_explicit or os.environ.get(key, "0") in ("", "0"):
                 os.environ[key] = str(value)
+        launched = "HOROVOD_RANK" in os.environ
         try:
             import horovod.torch as hvd
         except ImportError as exc:
@@ -55,34 +72,48 @@ class HorovodBackend(Backend):
         self.hvd = hvd
         hvd.init()
         self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-        if torch.cuda.is_available() and hvd.nccl_built():
-            torch.cuda.set_device(self._local_rank)
-            self._device = torch.device("cuda", self._local_rank)
         self._local_world_size = hvd.local_size()
-        self._limit_cpu_threads(self._local_world_size)
-        self._model: nn.Module | None = None
-        self._initialized = True
+        if not launched:
+            warn(f"horovod: no launcher found, running as a world of 1 process; for N processes start with "
+                 f"`{self.launcher.usage()}`")
+        # Horovod moves CUDA tensors with NCCL only when it was built with it.
+        if self.device_request == "cuda" and not hvd.nccl_built():
+            raise ParallelxError("horovod: device 'cuda' asked for, but this Horovod was built without NCCL; "
+                                 f"rebuild it on the GPU machine ({INSTALL_HINT}) or use --device cpu")
+        self._device = self._pick_device(self._local_rank) if hvd.nccl_built() else torch.device("cpu")
+        self._models: list[nn.Module] = []
 
-    def shutdown(self) -> None:
-        if self._initialized:
+    def _shutdown(self, *, failed: bool) -> None:
+        # After a failure horovodrun stops the other ranks; a shutdown here could wait for them.
+        if not failed:
             self.hvd.shutdown()
-        super().shutdown()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._require_init()
         model = model.to(self.device)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self._model = model
+        self._models.append(model)
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+    def _parameter_names(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) for every parameter of ``optimizer``, named after the wrapped model that owns it
+        (Horovod matches gradients across ranks by these names)."""
+        names = {id(p): n for m in self._models for n, p in m.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        unknown = [p for p in params if id(p) not in names]
+        if unknown:
+            raise ParallelxError(f"horovod: {len(unknown)} parameter(s) of this optimizer belong to no model passed "
+                                 "to wrap_model; call wrap_model(model) first, and build the optimizer on "
+                                 "model.parameters()")
+        return [(names[id(p)], p) for p in params]
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self._require_init()
-        if self._model is None:
-            raise ParallelxError("horovod: call wrap_model(model) before wrap_optimizer(optimizer), "
-                                 "or use backend.setup(model, optimizer)")
         hvd = self.hvd
-        dist_opt = hvd.DistributedOptimizer(optimizer, named_parameters=self._model.named_parameters(),
-                                            op=hvd.Average)
+        named = self._parameter_names(optimizer)
+        dist_opt = hvd.DistributedOptimizer(
+            optimizer, named_parameters=named, op=hvd.Average, compression=hvd.Compression.none,
+            backward_passes_per_step=1, gradient_predivide_factor=1.0)
         # hvd.broadcast_optimizer_state initialises an empty state with a
         # zero-gradient step, which weight decay turns into a real update.  A
         # fresh optimizer is empty (hence equal) on every rank, so only a
@@ -100,7 +131,6 @@ class HorovodBackend(Backend):
         return self.device
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        self._require_init()
         hvd = self.hvd
         return hvd.allreduce(tensor, op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
 

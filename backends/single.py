@@ -5,18 +5,16 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from parallelx.backend import Backend
+from parallelx.local import LocalBackend
 
 
-class SingleBackend(Backend):
+class SingleBackend(LocalBackend):
     name = "single"
 
-    def init(self) -> None:
-        self._device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self._initialized = True
+    def _init(self) -> None:
+        self._device = self._pick_device(0)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._require_init()

@@ -1,37 +1,50 @@
 """parallelx: one PyTorch training script, any distributed-training backend.
 
-    backend = parallelx.get_backend("auto")   # or single, dp, ddp, horovod, deepspeed
-    backend.init()
-    model, optimizer = backend.setup(model, optimizer)
+    parallelx.add_arguments(parser)               # --backend and every backend's options
+    backend = parallelx.from_args(parser.parse_args())   # or parallelx.get_backend("auto")
+    with backend:
+        model = backend.wrap_model(model)
+        optimizer = backend.wrap_optimizer(optimizer)
 
 Importing parallelx imports neither horovod nor deepspeed.
 """
 
-from .backend import Backend, ProcessGroupBackend, ReduceOp
+from .cli import add_arguments, exit_on_error, from_args
 from .errors import BackendUnavailableError, LaunchError, ParallelxError, UnknownBackendError
+from .launch import Launcher
+from .local import LocalBackend
+from .log import warn
 from .metrics import MetricSums, real_mask
+from .process_group import ProcessGroupBackend
+from .protocol import Backend, ReduceOp
 from .registry import available_backends, backend_class, detect_backend, get_backend, register_backend
 from .sampler import ShardedSampler
 from .utils import seed_everything
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
     "LaunchError",
+    "Launcher",
+    "LocalBackend",
     "MetricSums",
     "ParallelxError",
     "ProcessGroupBackend",
     "ReduceOp",
     "ShardedSampler",
     "UnknownBackendError",
+    "add_arguments",
     "available_backends",
     "backend_class",
     "detect_backend",
+    "exit_on_error",
+    "from_args",
     "get_backend",
     "real_mask",
     "register_backend",
     "seed_everything",
+    "warn",
     "__version__",
 ]

@@ -1,9 +1,20 @@
-"""Helpers for command-line entry points (recipes, benchmarks, tools)."""
+"""The command line of a training script: one call adds the options, one
+builds the backend::
+
+    parser = argparse.ArgumentParser()
+    parallelx.add_arguments(parser)        # --backend, --device, --timeout, every backend's own
+    args = parser.parse_args()
+    backend = parallelx.from_args(args)    # not yet initialised: `with backend:` or backend.init()
+
+Every backend's options are added whichever backend runs, so a script accepts
+the flags a launcher appends (the deepspeed launcher's ``--local_rank``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -11,7 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 from .errors import ParallelxError
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .protocol import Backend
 
 F = TypeVar("F", bound=Callable[..., int | None])
 
@@ -32,15 +43,31 @@ def exit_on_error(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def add_backend_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> None:
-    """``--backend``, ``--timeout`` and every registered backend's own options."""
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> argparse.ArgumentParser:
+    """Add ``--backend``, ``--device``, ``--timeout`` and every registered
+    backend's own options to ``parser``; returns the parser."""
+    from .protocol import DEVICES
     from .registry import available_backends, backend_class
 
     names = available_backends()
-    parser.add_argument("--backend", default=default, choices=names,
-                        help=f"distributed backend (default: {default}, which follows the launcher)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)")
+    group = parser.add_argument_group("parallelx")
+    group.add_argument("--backend", default=default, choices=names,
+                       help=f"distributed backend (default: {default}; auto follows the launcher)")
+    group.add_argument("--device", default="auto", choices=DEVICES,
+                       help="auto: this process's GPU if there is one, else the CPU; cpu forces the CPU")
+    group.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
+                       help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)")
     for name in names:
         if name == "auto":
             continue
@@ -48,11 +75,20 @@ def add_backend_arguments(parser: argparse.ArgumentParser, default: str = "auto"
             backend_class(name).add_arguments(parser)
         except ImportError:  # a broken third-party backend must not break the CLI
             continue
+    return parser
 
 
-def backend_from_args(args: argparse.Namespace) -> Backend:
-    """Create (not init) the backend that ``args.backend`` names, with its options."""
+def from_args(args: argparse.Namespace) -> Backend:
+    """Create (not init) the backend that ``args.backend`` names (``auto``
+    included), with the options the parsed arguments give it."""
     from .registry import backend_class, detect_backend, get_backend
 
-    name = detect_backend() if args.backend == "auto" else args.backend
+    name = getattr(args, "backend", "auto") or "auto"
+    if name == "auto":
+        name = detect_backend()
     return get_backend(name, **backend_class(name).options_from_args(args))
+
+
+# The names these had before; kept for scripts that use them.
+add_backend_arguments = add_arguments
+backend_from_args = from_args

@@ -15,15 +15,6 @@ import torch
 
 from .registry import available_backends, backend_class
 
-# What each check imports in the subprocess, beyond the backend module itself.
-_PROBES: dict[str, str] = {
-    "horovod": "import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
-               "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')",
-    "deepspeed": "import deepspeed; from deepspeed.accelerator import get_accelerator; "
-                 "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())",
-}
-
-
 def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
@@ -36,31 +27,28 @@ def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
     return True, out[-1] if out else "ok"
 
 
-def report() -> list[tuple[str, bool, str]]:
-    """``(backend, usable, detail)`` for every registered backend."""
+def report() -> list[tuple[str, bool, str, str]]:
+    """``(backend, usable, detail, launch line)`` for every registered backend."""
     rows = []
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for name in available_backends():
         if name == "auto":
             continue
         try:
             cls = backend_class(name)
         except Exception as exc:  # a broken third-party entry point
-            rows.append((name, False, f"cannot load: {exc}"))
+            rows.append((name, False, f"cannot load: {exc}", ""))
             continue
+        launch = cls.launcher.usage("-m your.module")
         reason = cls.unavailable_reason()
+        if reason is None and cls.launcher.program_path() is None:
+            reason = f"its launcher `{cls.launcher.name}` is not installed; {cls.install_hint}"
         if reason is not None:
-            rows.append((name, False, reason))
-        elif name in _PROBES:
-            ok, detail = _probe(_PROBES[name])
-            rows.append((name, ok, detail))
-        elif name == "dp":
-            rows.append((name, True, f"DataParallel over {gpus} GPU(s)" if gpus > 1 else "no GPUs: runs as single"))
-        elif name == "ddp":
-            comm = "nccl" if gpus else "gloo"
-            rows.append((name, True, f"torch.distributed ({comm}, gloo={torch.distributed.is_gloo_available()})"))
+            rows.append((name, False, reason, launch))
+        elif cls.probe_code:
+            ok, detail = _probe(cls.probe_code)
+            rows.append((name, ok, detail, launch))
         else:
-            rows.append((name, True, "ok"))
+            rows.append((name, True, "ok", launch))
     return rows
 
 
@@ -78,6 +66,8 @@ def main() -> int:
     print(f"nccl        {'yes' if cuda and torch.distributed.is_nccl_available() else 'no'}; "
           f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
     print("\nbackends:")
-    for name, ok, detail in report():
+    for name, ok, detail, launch in report():
         print(f"  [{'OK' if ok else '--'}] {name:<10} {detail}")
+        if launch:
+            print(f"       {'':<10} launch: {launch}")
     return 0

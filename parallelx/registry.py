@@ -13,19 +13,21 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .backend import Backend
 from .errors import BackendUnavailableError, UnknownBackendError
+
+if TYPE_CHECKING:
+    from .protocol import Backend
 
 ENTRY_POINT_GROUP = "parallelx.backends"
 
 _BUILTIN: dict[str, str] = {
-    "single": "backends.single:SingleBackend",
-    "dp": "backends.dp:DataParallelBackend",
-    "ddp": "backends.ddp:DDPBackend",
-    "horovod": "backends.horovod:HorovodBackend",
-    "deepspeed": "backends.deepspeed:DeepSpeedBackend",
+    "single": "parallelx.backends.single:SingleBackend",
+    "dp": "parallelx.backends.dp:DataParallelBackend",
+    "ddp": "parallelx.backends.ddp:DDPBackend",
+    "horovod": "parallelx.backends.horovod:HorovodBackend",
+    "deepspeed": "parallelx.backends.deepspeed:DeepSpeedBackend",
 }
 _REGISTERED: dict[str, str | type[Backend]] = {}
 
@@ -55,7 +57,12 @@ def available_backends() -> list[str]:
 
 def backend_class(name: str) -> type[Backend]:
     """The Backend subclass registered as ``name`` (imports its module, which
-    never imports the backend's heavy package)."""
+    never imports the backend's heavy package).  ``auto`` is the class the
+    launcher of this process was meant for (see :func:`detect_backend`)."""
+    from .protocol import Backend
+
+    if name == "auto":
+        name = detect_backend()
     table = _table()
     if name not in table:
         raise UnknownBackendError(

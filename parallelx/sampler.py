@@ -59,6 +59,8 @@ class ShardedSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        #: Number of passes begun (iterations started); never reset, unlike ``epoch``.
+        self.passes = 0
         if drop_last:
             self.num_samples = self.dataset_size // num_replicas
             if self.num_samples == 0:
@@ -72,6 +74,10 @@ class ShardedSampler(Sampler[int]):
         # Real positions of this rank: p = rank + i * W < dataset_size.
         real = max(0, math.ceil((self.dataset_size - rank) / num_replicas))
         self.num_real = min(self.num_samples, real)
+
+    def real_mask(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """True for the real samples among positions ``[start, start + count)`` of this shard."""
+        return torch.arange(start, start + count, device=device) < self.num_real
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s shuffle for the next iteration (then count on from it)."""
@@ -92,6 +98,7 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
+        self.passes += 1
         self.epoch += 1  # the next iteration is the next epoch, set_epoch or not
         return iter(self.global_order(epoch)[self.rank : self.total_size : self.num_replicas])
 

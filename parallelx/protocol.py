@@ -4,60 +4,49 @@ distributed-training backend, in one place.
 A script written against this class runs unchanged on every backend::
 
     backend = parallelx.get_backend(args.backend)
-    backend.init()
-    model, optimizer = backend.setup(model, optimizer)
-    sampler = backend.make_sampler(train_set, shuffle=True)
-    loader = DataLoader(train_set, batch_size=64, sampler=sampler)
-    for x, y in loader:
-        loss = criterion(model(x.to(backend.device)), y.to(backend.device))
-        backend.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    backend.save({"model": model, "optimizer": optimizer}, "ckpt.pth")  # on every rank
+    with backend:                                  # init(); shutdown() even when training raises
+        model = backend.wrap_model(model)
+        optimizer = backend.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        sampler = backend.make_sampler(train_set, shuffle=True)
+        for x, y in DataLoader(train_set, batch_size=64, sampler=sampler):
+            loss = criterion(model(x.to(backend.device)), y.to(backend.device))
+            backend.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        backend.save({"model": model, "optimizer": optimizer}, "ckpt.pth")  # on every rank
 
-Backends subclass :class:`Backend` (or :class:`ProcessGroupBackend` when they
-communicate through ``torch.distributed``) in one module each under
-``backends/``.  Heavy packages (deepspeed, horovod) are imported only inside
-their backend's methods, never at module import.
+The class is abstract in everything a multi-process backend must get right
+(joining the world, wrapping the model, the collectives), so a new backend
+that forgets one fails at class creation, not with silently wrong numbers.
+:class:`parallelx.local.LocalBackend` gives the world-of-one answers for the
+in-process backends; :class:`parallelx.process_group.ProcessGroupBackend`
+implements the collectives over ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import abc
 import argparse
-import datetime as _dt
 import importlib.util
 import os
-import sys
-import tempfile
-from collections import deque
 from collections.abc import Mapping, Sequence, Sized
-from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .errors import LaunchError, ParallelxError
+from . import checkpoint, log
+from .errors import ParallelxError
+from .launch import PYTHON, Launcher
 from .sampler import ShardedSampler
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 1800.0
-
-# Handles of the most recent torch.distributed collectives, kept until the
-# interpreter itself frees them.  Gloo's worker thread drops its reference to a
-# finished work after the caller has already returned; when that is the last
-# reference, the worker destroys the work's tensors and takes the GIL to do it.
-# If the script has meanwhile reached interpreter shutdown, Python ends that
-# thread inside a C++ destructor and the process aborts ("terminate called
-# without an active exception", exit -6) after all of its work was done.  A
-# barrier also holds the works that were still in flight when it started, so
-# holding the last few handles here leaves the worker nothing to destroy.
-_RECENT_WORK: deque[Any] = deque(maxlen=16)
 
 
 def default_timeout() -> float:
@@ -69,8 +58,12 @@ def default_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ParallelxError(f"PARALLELX_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ParallelxError(f"PARALLELX_TIMEOUT must be > 0 seconds, got {value}")
+    return _check_timeout(value, "PARALLELX_TIMEOUT")
+
+
+def _check_timeout(value: float, what: str) -> float:
+    if not value > 0 or value == float("inf"):  # also rejects nan
+        raise ParallelxError(f"{what} must be a finite number of seconds > 0, got {value}")
     return value
 
 
@@ -81,26 +74,26 @@ def check_op(op: str) -> str:
 
 
 class Backend(abc.ABC):
-    """Base class of all backends.
-
-    Subclasses must implement :meth:`init`, :meth:`wrap_model`, and the
-    collectives when they have more than one process.  The defaults here are
-    those of a world of one process.
-    """
+    """Base class of all backends: one module each under ``backends/``."""
 
     #: Registry name, e.g. ``"ddp"``.
     name: ClassVar[str] = ""
+    #: How this backend's processes are started (see :mod:`parallelx.launch`).
+    launcher: ClassVar[Launcher] = PYTHON
     #: The importable package this backend needs, if any, and how to install it.
     requires_module: ClassVar[str | None] = None
     install_hint: ClassVar[str] = ""
+    #: Python code that ``python -m parallelx env`` runs in a fresh process to
+    #: check that the package really works; it prints one line of detail.
+    probe_code: ClassVar[str | None] = None
 
-    def __init__(self, *, timeout: float | None = None, verbose: bool = True) -> None:
+    def __init__(self, *, timeout: float | None = None, device: str | torch.device | None = None,
+                 verbose: bool = True) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
         #: which then overrides a launcher's own default.
         self.timeout_explicit = timeout is not None or "PARALLELX_TIMEOUT" in os.environ
-        self.timeout_s: float = default_timeout() if timeout is None else float(timeout)
-        if self.timeout_s <= 0:
-            raise ParallelxError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        self.timeout_s: float = default_timeout() if timeout is None else _check_timeout(float(timeout), "timeout")
+        self.device_request: str = _check_device(device)
         self.verbose = verbose
         self._initialized = False
         self._rank = 0
@@ -135,6 +128,10 @@ class Backend(abc.ABC):
         """Where this process puts its inputs: ``cuda:<local_rank>`` or ``cpu``."""
         return self._device
 
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
     def is_main(self) -> bool:
         """True on exactly one process (global rank 0)."""
         return self.rank == 0
@@ -163,8 +160,12 @@ class Backend(abc.ABC):
     @classmethod
     def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         """Constructor options for this backend from parsed command-line args."""
-        timeout = getattr(args, "timeout", None)
-        return {} if timeout is None else {"timeout": timeout}
+        options: dict[str, Any] = {}
+        if getattr(args, "timeout", None) is not None:
+            options["timeout"] = args.timeout
+        if getattr(args, "device", None) not in (None, "auto"):
+            options["device"] = args.device
+        return options
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -179,49 +180,99 @@ class Backend(abc.ABC):
         return None if found else f"the {cls.requires_module} package is not installed; {cls.install_hint}"
 
     # ------------------------------------------------------------ lifecycle
-    @abc.abstractmethod
-    def init(self) -> None:
-        """Join the process group (if any) and choose the device.  Call once."""
-
-    def shutdown(self) -> None:
-        """Leave the process group.  Safe to call more than once."""
-        self._initialized = False
-
-    def __enter__(self) -> Backend:
-        if not self._initialized:
-            self.init()
+    def init(self) -> Backend:
+        """Join the world (if any) and choose the device.  A second call does nothing.
+        Returns the backend, so ``backend = get_backend("ddp").init()`` reads well."""
+        if self._initialized:
+            return self
+        self._init()
+        self._initialized = True
+        log.set_rank(self.rank)
+        self._limit_cpu_threads()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    @abc.abstractmethod
+    def _init(self) -> None:
+        """The backend's own start-up: join the process group, then set
+        ``_rank``, ``_world_size``, ``_local_rank``, ``_local_world_size`` and
+        ``_device``.  Called once, by :meth:`init`."""
 
-    def _limit_cpu_threads(self, local_world_size: int) -> None:
-        """On the CPU, give each of the ``local_world_size`` processes on this
-        machine its share of the cores: torch's default (all cores in every
-        process) oversubscribes them and slows every rank down.  An explicit
-        ``OMP_NUM_THREADS`` from the user or the launcher is left alone."""
-        if self.device.type == "cpu" and local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+    def shutdown(self) -> None:
+        """Leave the world and release what the backend holds.  Every rank calls
+        it at the end of a successful run.  Safe to call more than once."""
+        if self._initialized:
+            try:
+                self._shutdown(failed=False)
+            finally:
+                self._initialized = False
+
+    def abort(self) -> None:
+        """Release what this process holds without waiting for the other ranks
+        (they may be dead or stuck): for the error path.  Safe to call more than once."""
+        if self._initialized:
+            try:
+                self._shutdown(failed=True)
+            finally:
+                self._initialized = False
+
+    def _shutdown(self, *, failed: bool) -> None:
+        """The backend's own tear-down; ``failed`` means: do not talk to other ranks."""
+
+    def __enter__(self) -> Backend:
+        return self.init()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.shutdown()
+        else:
+            self.abort()
+
+    def _limit_cpu_threads(self) -> None:
+        """On the CPU, give each process on this machine its share of the
+        cores: torch's default (all cores in every process) oversubscribes
+        them and slows every rank down.  An explicit ``OMP_NUM_THREADS`` from
+        the user or the launcher is left alone."""
+        if self.device.type == "cpu" and self.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             from .utils import threads_per_process
 
-            torch.set_num_threads(threads_per_process(local_world_size))
+            torch.set_num_threads(threads_per_process(self.local_world_size))
 
     def _require_init(self) -> None:
         if not self._initialized:
-            raise ParallelxError(f"backend {self.name!r} is not initialised: call backend.init() first")
+            raise ParallelxError(f"backend {self.name!r} is not initialised: call backend.init() "
+                                 "(or use `with backend:`) first")
+
+    def _pick_device(self, index: int) -> torch.device:
+        """The device for a process that may use GPU ``index``: the user's
+        choice (``device="cpu"`` forces the CPU on a GPU machine), else that
+        GPU when there is one, else the CPU."""
+        if self.device_request == "cpu":
+            return torch.device("cpu")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index < gpus:
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        if self.device_request == "cuda":
+            raise ParallelxError(f"{self.name}: device 'cuda' asked for, but this process needs GPU {index} and "
+                                 f"{gpus} GPU(s) are visible; use fewer processes per machine or --device cpu")
+        return torch.device("cpu")
 
     # --------------------------------------------------------- model set-up
     @abc.abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to :attr:`device` and wrap it for this backend."""
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Wrap ``optimizer`` (built on the model's parameters) for this backend."""
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Wrap ``optimizer`` (built on the parameters of a model already passed
+        to :meth:`wrap_model`).  The result is a ``torch.optim.Optimizer``: LR
+        schedulers built on it afterwards work on every backend."""
+        self._require_init()
         return optimizer
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[nn.Module, Any]:
-        """Wrap model and optimizer together.  Prefer this over the two
-        separate calls: some backends (DeepSpeed) can only build both at once.
-        Returns ``(model, optimizer)``; the optimizer is None when none was given."""
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """``wrap_model`` then ``wrap_optimizer`` in one call.  Returns
+        ``(model, optimizer)``; the optimizer is None when none was given."""
         self._require_init()
         wrapped = self.wrap_model(model)
         return wrapped, (self.wrap_optimizer(optimizer) if optimizer is not None else None)
@@ -232,17 +283,19 @@ class Backend(abc.ABC):
             model = model.module
         return model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (DeepSpeed must see it; others call ``loss.backward()``)."""
+    def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
+        """Backpropagate ``loss``.  ``model`` names the wrapped model the loss
+        trains; only needed by backends whose backward belongs to a model
+        (DeepSpeed) when several models are set up."""
         loss.backward()
 
     # ----------------------------------------------------------------- data
     def make_sampler(self, dataset: Sized, *, shuffle: bool = True, seed: int = 0,
                      drop_last: bool = False) -> ShardedSampler:
         """A sampler giving this rank its shard of ``dataset``.  The shards of all
-        ranks are disjoint and cover the dataset (padded to equal length; see
-        :class:`ShardedSampler` for masking the padding out of metrics).  The
-        shuffle changes every epoch without any ``set_epoch`` call."""
+        ranks are disjoint and cover the dataset (padded to equal length;
+        :class:`parallelx.MetricSums` given this sampler leaves the padding out
+        of metrics).  The shuffle changes every epoch without any ``set_epoch`` call."""
         return ShardedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                               shuffle=shuffle, seed=seed, drop_last=drop_last)
 
@@ -252,6 +305,7 @@ class Backend(abc.ABC):
         on ``tensor``'s device; the input is left unchanged).  ``mean`` of an
         integer tensor is returned as float."""
         check_op(op)
+        self._require_init()
         out = tensor.detach().to(self._comm_device(tensor), copy=True)
         if op == "mean" and not out.is_floating_point():
             out = out.double()
@@ -265,18 +319,18 @@ class Backend(abc.ABC):
         """Where collectives need ``tensor`` to be."""
         return tensor.device
 
+    @abc.abstractmethod
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Reduce ``tensor`` (``sum``, ``max`` or ``min``) over all ranks; may work
-        in place.  A world of one has nothing to reduce."""
-        return tensor
+        """Reduce ``tensor`` (``sum``, ``max`` or ``min``) over all ranks; may work in place."""
 
+    @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
 
+    @abc.abstractmethod
     def broadcast(self, obj: T, src: int = 0) -> T:
         """Return rank ``src``'s ``obj`` on every rank.  Tensors are sent as
         tensors (same shape and dtype on every rank); anything else is pickled."""
-        return obj
 
     # ---------------------------------------------------------- checkpoints
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -287,20 +341,12 @@ class Backend(abc.ABC):
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
         """A plain ``torch.optim`` state dict (tensors on the CPU), or None with a
         warning when the backend keeps it in a form that cannot be made portable."""
-        return _to_cpu(optimizer.state_dict())
+        return checkpoint.to_cpu(optimizer.state_dict())
 
     def portable(self, obj: Any) -> Any:
         """``obj`` with every model and optimizer replaced by its plain state dict.
         A collective: every rank must call it with the same structure."""
-        if isinstance(obj, nn.Module):
-            return self.model_state_dict(obj)
-        if _is_optimizer(obj):
-            return self.optimizer_state_dict(obj)
-        if isinstance(obj, Mapping):
-            return {k: self.portable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self.portable(v) for v in obj)
-        return obj
+        return checkpoint.portable(obj, self.model_state_dict, self.optimizer_state_dict)
 
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """Write ``obj`` to one plain PyTorch file that ``torch.load`` reads
@@ -309,11 +355,12 @@ class Backend(abc.ABC):
         model or a dict whose values may be models, optimizers, tensors and
         plain Python values.  The write is atomic: a failure leaves any
         previous file intact, and raises on every rank."""
+        self._require_init()
         state = self.portable(obj)
         error: str | None = None
         if self.is_main():
             try:
-                atomic_save(state, Path(path))
+                checkpoint.atomic_save(state, path)
             except Exception as exc:  # reported to every rank below
                 error = f"saving {path} failed on rank 0: {type(exc).__name__}: {exc}"
         # The broadcast doubles as the barrier: no rank moves on before the file exists.
@@ -324,10 +371,7 @@ class Backend(abc.ABC):
     def load(self, path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
         """Read a checkpoint written by :meth:`save` (by any backend, at any world
         size) onto the CPU.  Every rank reads the file."""
-        p = Path(path)
-        if not p.is_file():
-            raise ParallelxError(f"checkpoint {p} does not exist")
-        return torch.load(p, map_location="cpu", weights_only=weights_only)
+        return checkpoint.load(path, weights_only=weights_only)
 
     def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
         """Load a portable state dict into a (wrapped) model or optimizer."""
@@ -337,95 +381,11 @@ class Backend(abc.ABC):
             target.load_state_dict(state)
 
 
-class ProcessGroupBackend(Backend):
-    """A backend whose processes talk through ``torch.distributed``
-    (Gloo on the CPU, NCCL on GPUs)."""
-
-    def _init_process_group(self) -> None:
-        """Join the default process group from the launcher's environment."""
-        if dist.is_initialized():
-            return
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise LaunchError(f"{self.name}: environment lacks {', '.join(missing)}; "
-                              "start the script with its launcher")
-        dist.init_process_group(backend=self._dist_backend(), timeout=_dt.timedelta(seconds=self.timeout_s))
-
-    def _dist_backend(self) -> str:
-        # NCCL for a process that has its own GPU (see _pick_device), else Gloo.
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
-    def _pick_device(self) -> torch.device:
-        # NCCL needs one GPU per process; fall back to the CPU when there are too few.
-        if torch.cuda.is_available() and torch.cuda.device_count() > self.local_rank:
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
-
-    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
-        # NCCL only reduces CUDA tensors; Gloo reduces CPU ones (and CUDA ones).
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        self._require_init()
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        _wait(dist.all_reduce(tensor, op=red, async_op=True))
-        return tensor
-
-    def barrier(self) -> None:
-        self._require_init()
-        _wait(dist.barrier(async_op=True))
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        self._require_init()
-        if isinstance(obj, torch.Tensor):
-            out = obj.detach().to(self._comm_device(obj), copy=True)
-            _wait(dist.broadcast(out, src=src, async_op=True))
-            return out.to(obj.device)  # type: ignore[return-value]
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        super().shutdown()
-
-
-# ---------------------------------------------------------------- helpers
-def _wait(work: Any) -> None:
-    """Wait for an ``async_op=True`` collective and keep its handle (see _RECENT_WORK)."""
-    work.wait()
-    _RECENT_WORK.append(work)
-
-
-def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) or (
-        callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups"))
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def warn(msg: str) -> None:
-    print(f"parallelx: warning: {msg}", file=sys.stderr, flush=True)
+def _check_device(device: str | torch.device | None) -> str:
+    if device is None:
+        return "auto"
+    name = device.type if isinstance(device, torch.device) else str(device)
+    if name not in DEVICES:
+        raise ParallelxError(f"device must be one of {', '.join(DEVICES)}, got {device!r} "
+                             "(the GPU index follows the process's local rank)")
+    return name

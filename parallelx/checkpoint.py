@@ -1,0 +1,83 @@
+"""Checkpoint IO: portable state, atomic writes, reads.
+
+A parallelx checkpoint is one plain PyTorch file: every model is replaced by
+its unwrapped ``state_dict`` and every optimizer by a plain ``torch.optim``
+state dict, all on the CPU, so ``torch.load(path, weights_only=True)`` reads it
+anywhere, with no backend package and at any world size.  Gathering sharded
+state is the backend's business (``Backend.model_state_dict`` and
+``Backend.optimizer_state_dict``); this module only walks, writes and reads.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ParallelxError
+
+
+def is_optimizer(obj: Any) -> bool:
+    """A torch optimizer, or anything shaped like one (a backend's wrapper)."""
+    return isinstance(obj, torch.optim.Optimizer) or (
+        callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups"))
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` with every tensor detached and on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state: Callable[[Any], Any]) -> Any:
+    """``obj`` with models and optimizers replaced by what the two functions return.
+    Walks dicts, lists and tuples; the order of the walk is the same on every
+    rank, which matters when the functions are collectives."""
+    if isinstance(obj, nn.Module):
+        return model_state(obj)
+    if is_optimizer(obj):
+        return optimizer_state(obj)
+    if isinstance(obj, Mapping):
+        return {k: portable(v, model_state, optimizer_state) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v, model_state, optimizer_state) for v in obj)
+    return obj
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then rename it into
+    place: a failure (or a crash) leaves any previous file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
+    """Read a checkpoint onto the CPU; a missing or unreadable file is one clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ParallelxError(f"checkpoint {p} does not exist")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
+        raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None

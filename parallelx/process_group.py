@@ -1,0 +1,88 @@
+"""The ``torch.distributed`` base: collectives over a process group
+(Gloo on the CPU, NCCL on GPUs), shared by the ``ddp`` and ``deepspeed`` backends."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections import deque
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import LaunchError
+from .protocol import Backend
+
+T = TypeVar("T")
+
+# Handles of the most recent torch.distributed collectives, kept until the
+# interpreter itself frees them.  Gloo's worker thread drops its reference to a
+# finished work after the caller has already returned; when that is the last
+# reference, the worker destroys the work's tensors and takes the GIL to do it.
+# If the script has meanwhile reached interpreter shutdown, Python ends that
+# thread inside a C++ destructor and the process aborts ("terminate called
+# without an active exception", exit -6) after all of its work was done.  A
+# barrier also holds the works that were still in flight when it started, so
+# holding the last few handles here leaves the worker nothing to destroy.
+# Upstream: https://github.com/pytorch/pytorch/issues/190489
+_RECENT_WORK: deque[Any] = deque(maxlen=16)
+
+
+def wait(work: Any) -> None:
+    """Wait for an ``async_op=True`` collective and keep its handle (see _RECENT_WORK)."""
+    work.wait()
+    _RECENT_WORK.append(work)
+
+
+class ProcessGroupBackend(Backend):
+    """A backend whose processes talk through ``torch.distributed``."""
+
+    #: Variables the launcher must have set for ``init_process_group``.
+    REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    def _init_process_group(self) -> None:
+        """Join the default process group from the launcher's environment."""
+        if dist.is_initialized():
+            return
+        missing = [k for k in self.REQUIRED_ENV if k not in os.environ]
+        if missing:
+            raise LaunchError(f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
+                              f"`{self.launcher.usage()}`")
+        dist.init_process_group(backend=self._dist_backend(), timeout=_dt.timedelta(seconds=self.timeout_s))
+
+    def _dist_backend(self) -> str:
+        # NCCL for a process that has its own GPU, else Gloo.
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _read_world(self) -> None:
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE",
+                                                                                        self._world_size)))
+
+    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
+        # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        wait(dist.all_reduce(tensor, op=red, async_op=True))
+        return tensor
+
+    def barrier(self) -> None:
+        self._require_init()
+        wait(dist.barrier(async_op=True))
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        self._require_init()
+        if isinstance(obj, torch.Tensor):
+            out = obj.detach().to(self._comm_device(obj), copy=True)
+            wait(dist.broadcast(out, src=src, async_op=True))
+            return out.to(obj.device)  # type: ignore[return-value]
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def _shutdown(self, *, failed: bool) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
