@@ -32,6 +32,7 @@ TORCHRUN = Launcher(
 
 class DDPBackend(ProcessGroupBackend):
     name = "ddp"
+    summary = "`DistributedDataParallel`; NCCL on GPUs, Gloo on the CPU"
     launcher = TORCHRUN
     probe_code = ("import torch, torch.distributed as d; print('torch.distributed:', "
                   "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "

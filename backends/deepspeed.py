@@ -49,7 +49,6 @@ PLAIN_MATH: dict[str, Any] = {
     "gradient_clipping": 0.0,
     "prescale_gradients": False,
     "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
 }
 #: Further entries that change the math when a user's config enables them.
 _MATH_SECTIONS = ("fp16", "bf16", "amp", "torch_autocast")
@@ -72,6 +71,7 @@ DEEPSPEED = Launcher(
     file="deepspeed --num_gpus {n} {opts} {file}",
     local_opts="--master_port {port}",
     local_env={"GLOO_SOCKET_IFNAME": "lo"},
+    shown="file",
     cleanup=remove_shm_buffers,
 )
 
@@ -186,6 +186,7 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
 
 class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
+    summary = "`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks"
     launcher = DEEPSPEED
     requires_module = "deepspeed"
     install_hint = INSTALL_HINT

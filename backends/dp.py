@@ -27,6 +27,7 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 class DataParallelBackend(LocalBackend):
     name = "dp"
+    summary = "`nn.DataParallel` over all visible GPUs, in one process"
     probe_code = ("import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
                   "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')")
 

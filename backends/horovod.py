@@ -39,6 +39,7 @@ HOROVODRUN = Launcher(
 
 class HorovodBackend(Backend):
     name = "horovod"
+    summary = "`hvd.DistributedOptimizer` (averaging, no compression), rank-0 broadcast"
     launcher = HOROVODRUN
     requires_module = "horovod"
     install_hint = INSTALL_HINT

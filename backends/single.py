@@ -12,6 +12,7 @@ from parallelx.local import LocalBackend
 
 class SingleBackend(LocalBackend):
     name = "single"
+    summary = "one device: `cuda:0`, else the CPU"
 
     def _init(self) -> None:
         self._device = self._pick_device(0)

@@ -53,6 +53,8 @@ class Launcher:
     local_env: Mapping[str, str] = field(default_factory=dict)
     #: False for the in-process backends (single, dp): always one process.
     multi_process: bool = True
+    #: The form people usually write: "module" (``-m pkg.mod``) or "file" (``pkg/mod.py``).
+    shown: str = "module"
     #: Called with the job's port after a local job ended, however it ended
     #: (a crashed rank cannot clean up what it leaves behind).
     cleanup: Callable[[int], None] | None = None
@@ -64,6 +66,11 @@ class Launcher:
         text = (self.module if kind == "module" else self.file).format(
             n=n, opts="", python="python", module=value, file=value, port="")
         return " ".join(text.split())
+
+    def example(self, module: str, n: str | int = "N") -> str:
+        """The usual launch line for ``module`` (``recipes.dogcat``), in the form people write."""
+        target = f"-m {module}" if self.shown == "module" else module.replace(".", "/") + ".py"
+        return self.usage(target, n)
 
     def command(self, target: Sequence[str], n: int = 2, *, port: int | None = None,
                 local: bool = True) -> list[str]:
@@ -131,3 +138,16 @@ def _split_target(target: str) -> tuple[str, str]:
 
 
 PYTHON = Launcher(name="python", module="{python} -m {module}", file="{python} {file}", multi_process=False)
+
+
+def markdown_table(module: str = "recipes.dogcat") -> str:
+    """The README's table of backends: name, launch line, what runs."""
+    from .registry import available_backends, backend_class
+
+    rows = ["| backend | launch | what runs |", "|---|---|---|"]
+    for name in available_backends():
+        if name == "auto":
+            continue
+        cls = backend_class(name)
+        rows.append(f"| `{name}` | `{cls.launcher.example(module)} --backend {name}` | {cls.summary} |")
+    return "\n".join(rows) + "\n"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import atexit
 import importlib.util
 import os
 from collections.abc import Mapping, Sequence, Sized
@@ -78,6 +79,8 @@ class Backend(abc.ABC):
 
     #: Registry name, e.g. ``"ddp"``.
     name: ClassVar[str] = ""
+    #: One line for tables: what runs under this backend.
+    summary: ClassVar[str] = ""
     #: How this backend's processes are started (see :mod:`parallelx.launch`).
     launcher: ClassVar[Launcher] = PYTHON
     #: The importable package this backend needs, if any, and how to install it.
@@ -101,8 +104,20 @@ class Backend(abc.ABC):
         self._local_rank = 0
         self._local_world_size = 1
         self._device = torch.device("cpu")
+        self._constructed = True
 
     # ------------------------------------------------------------------ info
+    @property
+    def _rank(self) -> int:
+        return self.__dict__.get("_rank_value", 0)
+
+    @_rank.setter
+    def _rank(self, value: int) -> None:
+        # Known from here on: warnings are printed by rank 0 only (see parallelx.log).
+        self.__dict__["_rank_value"] = value
+        if self.__dict__.get("_constructed"):
+            log.set_rank(value)
+
     @property
     def rank(self) -> int:
         """Global rank of this process among the data-parallel processes."""
@@ -189,6 +204,10 @@ class Backend(abc.ABC):
         self._initialized = True
         log.set_rank(self.rank)
         self._limit_cpu_threads()
+        # A script that ends without shutdown() (it raised, or forgot) still
+        # releases the process group before the interpreter is torn down, while
+        # the threads of its communication library can still take the GIL.
+        atexit.register(self.abort)
         return self
 
     @abc.abstractmethod
@@ -205,6 +224,7 @@ class Backend(abc.ABC):
                 self._shutdown(failed=False)
             finally:
                 self._initialized = False
+                atexit.unregister(self.abort)
 
     def abort(self) -> None:
         """Release what this process holds without waiting for the other ranks
@@ -212,6 +232,8 @@ class Backend(abc.ABC):
         if self._initialized:
             try:
                 self._shutdown(failed=True)
+            except Exception as exc:  # the error that brought us here matters more
+                log.warn(f"{self.name}: releasing the backend after a failure raised {type(exc).__name__}: {exc}")
             finally:
                 self._initialized = False
 

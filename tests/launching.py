@@ -1,12 +1,12 @@
 """Start real launchers (torchrun, horovodrun, deepspeed) from tests, with a
 hard timeout that kills the whole process tree: a hung collective fails its
-test instead of hanging the run."""
+test instead of hanging the run.  The command lines come from each backend's
+own :class:`parallelx.launch.Launcher`."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from parallelx import backend_class
+from parallelx.launch import Launcher, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Which backend's launcher each launcher name means in the tests.
+_BY_LAUNCHER = {"python": "single", "torchrun": "ddp", "horovodrun": "horovod", "deepspeed": "deepspeed"}
 
 
 @dataclass
@@ -35,41 +35,27 @@ class Result:
         return "\n".join(self.output.splitlines()[-n:])
 
 
-def launcher_command(launcher: str, target: list[str], nproc: int = 2) -> list[str]:
-    """``target`` is ``["-m", "module", args...]`` or ``["path.py", args...]``."""
-    if launcher == "python":
-        return [sys.executable, *target]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), *target]
-    if launcher == "horovodrun":
-        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
-                "--network-interface", "lo", sys.executable, *target]
-    if launcher == "deepspeed":
-        # The deepspeed launcher runs a script path (or --module), not "-m".
-        if target[0] == "-m":
-            target = ["--module", *target[1:]]
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *target]
-    raise ValueError(launcher)
+def launcher_for(launcher: str) -> Launcher:
+    return backend_class(_BY_LAUNCHER[launcher]).launcher
 
 
 def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float = 240,
            env: dict[str, str] | None = None) -> Result:
-    cmd = launcher_command(launcher, target, nproc)
+    """Run ``target`` (``["-m", "mod", ...]`` or ``["file.py", ...]``) under ``launcher``."""
+    spec = launcher_for(launcher)
+    port = free_port()
+    cmd = spec.command(target, nproc if spec.multi_process else 1, port=port)
     full_env = dict(os.environ)
     # PYTHONFAULTHANDLER: a rank killed by a signal (a native abort) prints its Python stacks.
-    full_env.update(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="120", PYTHONFAULTHANDLER="1",
-                    PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    full_env.update(PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="120", PYTHONFAULTHANDLER="1",
+                    PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **spec.env())
     full_env.update(env or {})
     start = time.monotonic()
     try:
         return _run(launcher, cmd, full_env, timeout, start)
     finally:
-        if launcher == "deepspeed":
-            # A crashed or killed rank cannot remove its DeepSpeed /dev/shm buffer.
-            from backends.deepspeed import remove_shm_buffers
-
-            remove_shm_buffers(cmd[cmd.index("--master_port") + 1])
+        if spec.cleanup is not None:
+            spec.cleanup(port)  # a crashed or killed rank cannot clean up after itself
 
 
 def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float, start: float) -> Result:
@@ -88,8 +74,7 @@ def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float
 def require_launcher(launcher: str) -> None:
     """Skip only when the launcher is genuinely not installed (never in CI,
     whose set-up installs all of them)."""
-    exe = {"torchrun": "torchrun", "horovodrun": "horovodrun", "deepspeed": "deepspeed"}.get(launcher)
-    if exe and not (BIN / exe).exists():
+    if launcher_for(launcher).program_path() is None:
         if os.environ.get("CI"):
-            pytest.fail(f"{exe} is not installed; run scripts/setup.sh")
-        pytest.skip(f"{exe} is not installed")
+            pytest.fail(f"{launcher} is not installed; run scripts/setup.sh")
+        pytest.skip(f"{launcher} is not installed")
