@@ -57,8 +57,7 @@ class DDPBackend(ProcessGroupBackend):
         self._init_process_group()
         self._read_world()
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        self._require_init()
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if self.world_size > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             warn("ddp: BatchNorm layers normalise with each process's own batch statistics (rank 0's running "

@@ -39,6 +39,7 @@ from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxErro
 from parallelx.launch import Launcher
 from parallelx.log import warn
 from parallelx.process_group import ProcessGroupBackend
+from parallelx.protocol import keep_rng_state
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
@@ -91,7 +92,8 @@ class DeepSpeedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
-            self._backend._build(self, None)  # no optimizer came: an engine for inference
+            with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
+                self._backend._build(self, None)  # no optimizer came: an engine for inference
         return self.engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DeepSpeedModel:
@@ -293,18 +295,16 @@ class DeepSpeedBackend(ProcessGroupBackend):
         super()._shutdown(failed=failed)
 
     # ------------------------------------------------------------ the engine
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
         """A :class:`DeepSpeedModel`; its engine is built by ``wrap_optimizer``
         (or, for evaluation only, by the first forward)."""
-        self._require_init()
         if isinstance(model, DeepSpeedModel):
             raise ParallelxError("deepspeed: this model is already wrapped")
         wrapped = DeepSpeedModel(self, model)
         self._models.append(wrapped)
         return wrapped
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self._require_init()
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(optimizer, DeepSpeedOptimizer):
             raise ParallelxError("deepspeed: this optimizer is already wrapped")
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -319,12 +319,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
                                  "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
                                  "after wrap_model, or use backend.setup(model, optimizer)")
         return self._build(owner, optimizer)
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        self._require_init()
-        wrapped = self.wrap_model(model)
-        return wrapped, (self.wrap_optimizer(optimizer) if optimizer is not None else None)
 
     def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
         engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=self.config)

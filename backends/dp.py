@@ -44,8 +44,7 @@ class DataParallelBackend(LocalBackend):
                                                         else "no GPU is")
             warn(f"dp: {where} in use, so DataParallel has nothing to split over; running as 'single'")
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        self._require_init()
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if self._gpus < 2:
             return model

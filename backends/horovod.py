@@ -89,8 +89,7 @@ class HorovodBackend(Backend):
         if not failed:
             self.hvd.shutdown()
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        self._require_init()
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self._models.append(model)
@@ -99,7 +98,8 @@ class HorovodBackend(Backend):
     def _parameter_names(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) for every parameter of ``optimizer``, named after the wrapped model that owns it
         (Horovod matches gradients across ranks by these names)."""
-        names = {id(p): n for m in self._models for n, p in m.named_parameters()}
+        # Prefixed by the model's position after the first, so two models' names never collide.
+        names = {id(p): f"{i}.{n}" if i else n for i, m in enumerate(self._models) for n, p in m.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         unknown = [p for p in params if id(p) not in names]
         if unknown:
@@ -108,8 +108,7 @@ class HorovodBackend(Backend):
                                  "model.parameters()")
         return [(names[id(p)], p) for p in params]
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self._require_init()
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         hvd = self.hvd
         named = self._parameter_names(optimizer)
         dist_opt = hvd.DistributedOptimizer(

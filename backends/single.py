@@ -17,6 +17,5 @@ class SingleBackend(LocalBackend):
     def _init(self) -> None:
         self._device = self._pick_device(0)
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        self._require_init()
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)

@@ -29,11 +29,14 @@ from __future__ import annotations
 import abc
 import argparse
 import atexit
+import contextlib
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence, Sized
+import random
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any, ClassVar, Literal, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -200,7 +203,8 @@ class Backend(abc.ABC):
         Returns the backend, so ``backend = get_backend("ddp").init()`` reads well."""
         if self._initialized:
             return self
-        self._init()
+        with keep_rng_state():
+            self._init()
         self._initialized = True
         log.set_rank(self.rank)
         self._limit_cpu_threads()
@@ -280,15 +284,30 @@ class Backend(abc.ABC):
         return torch.device("cpu")
 
     # --------------------------------------------------------- model set-up
-    @abc.abstractmethod
+    # The public set-up calls are templates: each backend's work runs with the
+    # random number generators saved and restored, so whatever a backend's
+    # set-up draws (or not) cannot shift the user's dropout masks, shuffles or
+    # augmentations: the same script draws the same numbers on every backend.
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to :attr:`device` and wrap it for this backend."""
+        self._require_init()
+        with keep_rng_state():
+            return self._wrap_model(model)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Wrap ``optimizer`` (built on the parameters of a model already passed
         to :meth:`wrap_model`).  The result is a ``torch.optim.Optimizer``: LR
         schedulers built on it afterwards work on every backend."""
         self._require_init()
+        with keep_rng_state():
+            return self._wrap_optimizer(optimizer)
+
+    @abc.abstractmethod
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        """The backend's own model wrapping (called by :meth:`wrap_model`)."""
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The backend's own optimizer wrapping (called by :meth:`wrap_optimizer`)."""
         return optimizer
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -401,6 +420,22 @@ class Backend(abc.ABC):
             self.unwrap(target).load_state_dict(state)
         else:
             target.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def keep_rng_state() -> Iterator[None]:
+    """Run the block, then put Python's, NumPy's and torch's (CPU and CUDA)
+    random number generators back where they were."""
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _check_device(device: str | torch.device | None) -> str:

@@ -122,11 +122,14 @@ def main() -> int:
     report["broadcast_tensor"] = backend.broadcast(torch.tensor([float(r) + 5.0]), src=0).tolist()
 
     # 2. two models, the two forms of the protocol, LR schedulers built after set-up
-    base_a = make_model(0)
-    model_a, opt_a = backend.setup(base_a, make_optimizer(base_a))
-    base_b = make_model(1)
+    base_a, base_b = make_model(0), make_model(1)
+    plain_a, plain_b = make_optimizer(base_a), make_optimizer(base_b)
+    rng_before = torch.get_rng_state()
+    model_a, opt_a = backend.setup(base_a, plain_a)
     model_b = backend.wrap_model(base_b)
-    opt_b = backend.wrap_optimizer(make_optimizer(base_b))
+    opt_b = backend.wrap_optimizer(plain_b)
+    # Set-up draws no random numbers the script would see (the same dropout masks on every backend).
+    report["rng_untouched_by_setup"] = torch.equal(torch.get_rng_state(), rng_before)
     report["optimizers_are_torch_optimizers"] = all(isinstance(o, torch.optim.Optimizer) for o in (opt_a, opt_b))
     sched_a, sched_b = make_scheduler(opt_a), make_scheduler(opt_b)
     data = {0: global_batches(0), 1: global_batches(1)}

@@ -182,7 +182,7 @@ def test_a_backend_missing_a_collective_cannot_be_created():
 
         def _init(self) -> None: ...
 
-        def wrap_model(self, model: nn.Module) -> nn.Module:
+        def _wrap_model(self, model: nn.Module) -> nn.Module:
             return model
 
         def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:

@@ -94,6 +94,7 @@ def test_training_math_matches_one_process(job, model):
 def test_optimizer_takes_a_torch_lr_scheduler(job):
     for rep in job["reports"]:
         assert rep["optimizers_are_torch_optimizers"]
+        assert rep["rng_untouched_by_setup"]
         for model in ("a", "b"):
             assert rep[f"lrs_{model}"] == rep[f"ref_lrs_{model}"], "one scheduler step per optimizer step"
 
