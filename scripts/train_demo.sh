@@ -12,8 +12,7 @@ EPOCHS=${EPOCHS:-3}
 if [ ! -f "$DATA/cifar-10-batches-py/test_batch" ]; then
     "$PY" -m recipes.make_data cifar10 --out "$DATA" --train 10000 --test 2000
 fi
-export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-.venv/bin/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
-    -m recipes.cifar10 --backend ddp --data-dir "$DATA" --epochs "$EPOCHS" --out-dir "$OUT"
+# The backend's own launcher (torchrun), on the loopback interface and a free port.
+"$PY" -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir "$DATA" --epochs "$EPOCHS" --out-dir "$OUT"
 echo
 echo "outputs: $OUT/best.pth (weights), $OUT/history.csv, $OUT/metrics.json, $OUT/training_results.png"
