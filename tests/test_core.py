@@ -338,3 +338,20 @@ def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
     assert top == {"parallelx"}, top
     for module in ("parallelx/backends/deepspeed.py", "parallelx/recipes/dogcat.py", "parallelx/launch.py"):
         assert module in names
+
+
+def test_launch_command_comes_from_the_backends_declaration():
+    for name in ("ddp", "horovod", "deepspeed", "single"):
+        proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", name, "-n", "3", "--dry-run", "--",
+                               "-m", "recipes.cifar10", "--epochs", "1"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        expected = parallelx.backend_class(name).launcher.command(["-m", "recipes.cifar10", "--epochs", "1",
+                                                                   "--backend", name],
+                                                                  3 if name != "single" else 1, port=1)
+        got = proc.stdout.split()
+        # Same command but for the free port each call picks.
+        assert [w for w in got if not w.isdigit()] == [w for w in expected if not w.isdigit()], got
+    proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", "ddp"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "nothing to launch" in proc.stderr and "Traceback" not in proc.stderr
