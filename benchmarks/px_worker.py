@@ -39,15 +39,12 @@ def prepare(backend: parallelx.Backend, case: workload.Case) -> tuple[workload.S
 
 
 def make_backend(name: str, plan: workload.Plan) -> parallelx.Backend:
-    """The initialised parallelx backend for the benchmark's processes."""
-    options = {}
-    if name == "deepspeed":
-        # DeepSpeed's config wants the per-process batch; only its bookkeeping
-        # reads it (the data is ours), so the first case's value serves all.
-        options = {"micro_batch_size": plan.cases[0].batch, "zero_stage": 0}
-    backend = parallelx.get_backend(name, **options)
-    backend.init()
-    return backend
+    """The initialised parallelx backend for the benchmark's processes, with
+    the options a training script's ``--batch-size`` would give it (DeepSpeed's
+    config wants the per-process batch; only its bookkeeping reads it, the data
+    is ours, so the first case's value serves all)."""
+    options = parallelx.backend_class(name).options_from_args(argparse.Namespace(batch_size=plan.cases[0].batch))
+    return parallelx.get_backend(name, **options).init()
 
 
 @exit_on_error
@@ -57,11 +54,10 @@ def main() -> int:
     parser.add_argument("--backend", required=True, choices=[b for b in parallelx.available_backends() if b != "auto"])
     args, plan = workload.worker_args(lambda a: f"px-{a.backend}", parser)
 
-    backend = make_backend(args.backend, plan)
-    workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank, local_rank=backend.local_rank,
-                      world_size=backend.world_size,
-                      device=backend.device, state_dict=backend.model_state_dict)
-    backend.shutdown()
+    with make_backend(args.backend, plan) as backend:  # shut down even when a case raises
+        workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank,
+                          local_rank=backend.local_rank, world_size=backend.world_size, device=backend.device,
+                          state_dict=backend.model_state_dict)
     return 0
 
 

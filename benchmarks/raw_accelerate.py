@@ -4,19 +4,32 @@ quick tour shows it (no parallelx): the peer most users would pick instead.
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no -m benchmarks.raw_accelerate --out /tmp/bench
 
-On a machine without GPUs also export ``ACCELERATE_USE_CPU=1``: Accelerate
-1.x's ``--cpu --num_processes 2`` starts a single process unless it is given
-an MPI hostfile, and ``--multi_gpu`` alone starts N processes that each train
-alone (world size 1).  ``benchmarks.run`` does this for you.
+Without GPUs the worker asks for the CPU (``Accelerator(cpu=True)``) and the
+launch still says ``--multi_gpu``: Accelerate 1.x's ``--cpu --num_processes 2``
+starts a single process unless it is given an MPI hostfile, and
+``--multi_gpu`` alone starts N processes that each train alone (world size 1).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from benchmarks import workload
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+def prepare(case: workload.Case, accelerator: Accelerator) -> tuple[workload.Step, nn.Module]:
+    """Model and optimizer through ``accelerator.prepare``, as a training step (and the prepared model)."""
+    accelerator.free_memory()  # the previous case's model and optimizer
+    model = workload.build_model(case)
+    model, optimizer = accelerator.prepare(model, workload.make_optimizer(model, case))
+    return workload.torch_step(model, optimizer, accelerator.backward), model
 
 
 @workload.exit_on_bench_error
@@ -24,31 +37,11 @@ def main() -> int:
     _, plan = workload.worker_args("accelerate")
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
-    device = accelerator.device
-    rank = accelerator.process_index
-    workload.check_world_size(plan, accelerator.num_processes)
-
-    for case in plan.cases:
-        # After Accelerator(), which may set torch's thread count itself on the CPU.
-        workload.apply_threads(plan, case, local_rank=accelerator.local_process_index)
-        model = workload.build_model(case)
-        optimizer = workload.make_optimizer(model, case)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        batches = workload.synthetic_batches(case, rank, device)
-        workload.seed_steps(case, rank)
-        times: list[float] = []
-        for x, y in workload.timed_steps(case, batches, device, times):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-        weights = accelerator.unwrap_model(model).state_dict() if case.save_weights else None
-        workload.record(plan, case, rank=rank, world_size=accelerator.num_processes, device=device, times=times,
-                        loss=loss, weights=weights, extra={"distributed_type": str(accelerator.distributed_type)})
-        del model, optimizer, batches, weights
-        accelerator.free_memory()
-        workload.release(device)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # run_plan sets the threads after Accelerator(), which may set torch's thread count itself on the CPU.
+    workload.run_plan(plan, lambda case: prepare(case, accelerator), rank=accelerator.process_index,
+                      local_rank=accelerator.local_process_index, world_size=accelerator.num_processes,
+                      device=accelerator.device, state_dict=lambda m: accelerator.unwrap_model(m).state_dict())
     accelerator.end_training()
     return 0
 

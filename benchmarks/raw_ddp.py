@@ -3,9 +3,10 @@ tutorial shows it (no parallelx).
 
     torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --out /tmp/bench
 
-Model, optimizer, synthetic data, seeds and timing come from
-``benchmarks.workload`` so that the work equals ``px_worker --backend ddp``;
-everything distributed below is plain ``torch.distributed``.
+Model, optimizer, the tutorial's training step, synthetic data, seeds and
+timing come from ``benchmarks.workload`` so that the work equals
+``px_worker --backend ddp``; everything distributed below is plain
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -26,15 +27,7 @@ def prepare(case: workload.Case, device: torch.device, local_rank: int) -> tuple
     model = workload.build_model(case).to(device)
     ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = workload.make_optimizer(ddp_model, case)
-
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(ddp_model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    return train_step, model
+    return workload.torch_step(ddp_model, optimizer), model
 
 
 @workload.exit_on_bench_error

@@ -3,8 +3,9 @@ guide and its ``pytorch_mnist.py`` example show it (no parallelx).
 
     horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.raw_horovod --out /tmp/bench
 
-Model, optimizer, synthetic data, seeds and timing come from
-``benchmarks.workload`` so that the work equals ``px_worker --backend horovod``.
+Model, optimizer, the guide's training step, synthetic data, seeds and
+timing come from ``benchmarks.workload`` so that the work equals
+``px_worker --backend horovod``.
 One deliberate difference from the guide: the learning rate is *not* scaled
 by ``hvd.size()``, so that the math is that of DDP and of parallelx.
 """
@@ -30,15 +31,7 @@ def prepare(case: workload.Case, device: torch.device) -> tuple[workload.Step, n
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
-
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    return train_step, model
+    return workload.torch_step(model, optimizer), model
 
 
 @workload.exit_on_bench_error

@@ -25,91 +25,75 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import parallelx
-from benchmarks import px_worker, workload
+from benchmarks import px_worker, raw_ddp, raw_deepspeed, raw_horovod, workload
 from parallelx.cli import exit_on_error
 
-BACKENDS = ("ddp", "horovod", "deepspeed")
+#: The plain script's training step for a case, in processes that the
+#: parallelx backend has already initialised.
+PLAIN: dict[str, Callable[[workload.Case, parallelx.Backend], tuple[workload.Step, torch.nn.Module]]] = {
+    "ddp": lambda case, backend: raw_ddp.prepare(case, backend.device, backend.local_rank),
+    "horovod": lambda case, backend: raw_horovod.prepare(case, backend.device),
+    "deepspeed": lambda case, backend: raw_deepspeed.prepare(case, None),
+}
 
 
-def plain_prepare(name: str, case: workload.Case, backend: parallelx.Backend) -> tuple[workload.Step, torch.nn.Module]:
-    """The plain script's training step for ``case``, in processes that
-    ``backend`` has already initialised."""
-    if name == "ddp":
-        from benchmarks import raw_ddp
-
-        return raw_ddp.prepare(case, backend.device, backend.local_rank)
-    if name == "horovod":
-        from benchmarks import raw_horovod
-
-        return raw_horovod.prepare(case, backend.device)
-    from benchmarks import raw_deepspeed
-
-    return raw_deepspeed.prepare(case, None)
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
 
 
-def time_block(step: workload.Step, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int, warmup: int,
-               steps: int, device: torch.device) -> tuple[list[float], torch.Tensor]:
-    """``warmup`` untimed then ``steps`` timed steps, on the batches from
-    index ``first`` on; returns the step times and the last loss."""
-    times = []
-    for i in range(warmup + steps):
-        x, y = batches[(first + i) % len(batches)]
-        start = time.perf_counter()
-        loss = step(x, y)
-        workload.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times, loss
+def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Backend) -> None:
+    """Every case of ``plan``: ``blocks_n`` blocks of each step, alternating; one result file per rank."""
+    workload.check_world_size(plan, backend.world_size)
+    for case in plan.cases:
+        workload.apply_threads(plan, case, local_rank=backend.local_rank)
+        # Both builds start from the same seeded weights (build_model seeds).
+        steps = {"plain": PLAIN[name](case, backend), "parallelx": px_worker.prepare(backend, case)}
+        batches = workload.synthetic_batches(case, backend.rank, backend.device)
+        workload.seed_steps(case, backend.rank)
+        blocks: dict[str, list[list[float]]] = {"plain": [], "parallelx": []}
+        for b in range(blocks_n):
+            for impl in ("plain", "parallelx") if b % 2 == 0 else ("parallelx", "plain"):
+                # The warm-up of each block lets caches and allocator settle after the other model ran.
+                times: list[float] = []
+                for x, y in workload.timed_steps(case, batches, backend.device, times,
+                                                 first=len(blocks[impl]) * (case.warmup + case.steps)):
+                    loss = steps[impl][0](x, y)
+                blocks[impl].append(times)
+        plain_w = backend.unwrap(steps["plain"][1]).state_dict()
+        px_w = backend.model_state_dict(steps["parallelx"][1])
+        start_w = workload.build_model(case).state_dict()  # the seeded initial weights of both
+
+        out = Path(plan.out)
+        out.mkdir(parents=True, exist_ok=True)
+        # max_abs_update: the training moved the weights (equal weights that never moved would prove nothing).
+        report = {"impl": plan.impl, "case_id": case.id, "rank": backend.rank, "world_size": backend.world_size,
+                  "threads": torch.get_num_threads(), "device": str(backend.device), "blocks": blocks,
+                  "max_abs_weight_diff": max_diff(plain_w, px_w), "max_abs_update": max_diff(px_w, start_w),
+                  "final_loss": float(loss.detach().float().cpu())}
+        workload.result_path(out, plan.impl, case, backend.rank).write_text(json.dumps(report))
+        del steps, batches, plain_w, px_w
+        workload.release(backend.device)
 
 
 @exit_on_error
 @workload.exit_on_bench_error
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", required=True, choices=BACKENDS)
+    parser.add_argument("--backend", required=True, choices=sorted(PLAIN))
     parser.add_argument("--blocks", type=int, default=10, help="blocks of each implementation, alternating")
     args, plan = workload.worker_args(lambda a: f"same-{a.backend}", parser)
     if args.blocks < 1:
         raise workload.BenchError(f"--blocks must be >= 1, got {args.blocks}")
 
-    backend = px_worker.make_backend(args.backend, plan)
-    workload.check_world_size(plan, backend.world_size)
-    for case in plan.cases:
-        workload.apply_threads(plan, case, local_rank=backend.local_rank)
-        # Both builds start from the same seeded weights (build_model seeds).
-        steps = {"plain": plain_prepare(args.backend, case, backend), "parallelx": px_worker.prepare(backend, case)}
-        batches = workload.synthetic_batches(case, backend.rank, backend.device)
-        workload.seed_steps(case, backend.rank)
-        blocks: dict[str, list[list[float]]] = {"plain": [], "parallelx": []}
-        position = {"plain": 0, "parallelx": 0}
-        for b in range(args.blocks):
-            for name in ("plain", "parallelx") if b % 2 == 0 else ("parallelx", "plain"):
-                # The warm-up of each block lets caches and allocator settle after the other model ran.
-                times, loss = time_block(steps[name][0], batches, position[name], case.warmup, case.steps,
-                                         backend.device)
-                position[name] += case.warmup + case.steps
-                blocks[name].append(times)
-        plain_w = backend.unwrap(steps["plain"][1]).state_dict()
-        px_w = backend.model_state_dict(steps["parallelx"][1])
-        diff = max(float((plain_w[k].float().cpu() - px_w[k].float().cpu()).abs().max()) for k in px_w)
-        out = Path(plan.out)
-        out.mkdir(parents=True, exist_ok=True)
-        report = {"impl": plan.impl, "case_id": case.id, "rank": backend.rank, "world_size": backend.world_size,
-                  "threads": torch.get_num_threads(), "device": str(backend.device), "blocks": blocks,
-                  "block_medians_s": {k: [statistics.median(t) for t in v] for k, v in blocks.items()},
-                  "max_abs_weight_diff": diff, "final_loss": float(loss.detach().float().cpu())}
-        workload.result_path(out, plan.impl, case, backend.rank).write_text(json.dumps(report))
-        del steps, batches, plain_w, px_w
-        workload.release(backend.device)
-    backend.shutdown()
+    with px_worker.make_backend(args.backend, plan) as backend:  # shut down even when a case raises
+        measure(args.backend, args.blocks, plan, backend)
     return 0
 
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -230,16 +228,32 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                times: list[float]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``warmup + steps`` batches; the time from each yield to the next
-    request (the loop body: one full training step, synchronised on GPUs) is
-    appended to ``times`` for the timed steps only."""
+                times: list[float], first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``warmup + steps`` batches, cycling from index ``first``; the
+    time from each yield to the next request (the loop body: one full
+    training step, synchronised on GPUs) is appended to ``times`` for the
+    timed steps only."""
     for i in range(case.warmup + case.steps):
         start = time.perf_counter()
-        yield batches[i % len(batches)]
+        yield batches[(first + i) % len(batches)]
         synchronize(device)
         if i >= case.warmup:
             times.append(time.perf_counter() - start)
+
+
+def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> Step:
+    """The training step as PyTorch's DDP tutorial, Horovod's guide and
+    Accelerate's quick tour write it (Accelerate with its own ``backward``)."""
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        backward(loss)
+        optimizer.step()
+        return loss
+
+    return train_step
 
 
 def peak_rss_mib() -> float:
@@ -264,13 +278,16 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 
 
 def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, local_rank: int,
-             world_size: int, device: torch.device, state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
+             world_size: int, device: torch.device,
+             state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
     """Measure every case of ``plan`` in this process.  ``prepare(case)``
     builds the worker's own training step and model; threads, data, seeds,
     timing and result files are the same for every worker.  The final weights
     come from ``state_dict(model)`` (default: the model's own), which every
     rank calls: on sharding backends it is a collective."""
     check_world_size(plan, world_size)
+    out = Path(plan.out)
+    out.mkdir(parents=True, exist_ok=True)
     for case in plan.cases:
         apply_threads(plan, case, local_rank=local_rank)
         train_step, model = prepare(case)
@@ -280,33 +297,19 @@ def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, r
         for x, y in timed_steps(case, batches, device, times):
             loss = train_step(x, y)
         weights = (state_dict or nn.Module.state_dict)(model) if case.save_weights else None
-        record(plan, case, rank=rank, world_size=world_size, device=device, times=times, loss=loss, weights=weights)
+        report = {
+            "impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
+            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "device": str(device), "step_times_s": times, "peak_rss_mib": peak_rss_mib(),
+            "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            "final_loss": float(loss.detach().float().cpu()),
+        }
+        result_path(out, plan.impl, case, rank).write_text(json.dumps(report))
+        if weights is not None and rank == 0:
+            torch.save({k: v.detach().to("cpu") for k, v in weights.items()}, weights_path(out, plan.impl, case))
         del train_step, model, batches, weights
         release(device)
-
-
-def record(plan: Plan, case: Case, *, rank: int, world_size: int, device: torch.device, times: list[float],
-           loss: torch.Tensor, weights: dict[str, torch.Tensor] | None, extra: dict[str, Any] | None = None) -> None:
-    """Write this rank's measurements of ``case`` (and, on rank 0, the final
-    weights when the case asks for them)."""
-    out = Path(plan.out)
-    out.mkdir(parents=True, exist_ok=True)
-    median = statistics.median(times)
-    report = {
-        "impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
-        "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "device": str(device), "step_times_s": times, "median_step_s": median,
-        "images_per_s": world_size * case.batch / median,
-        "epoch_s_projected": math.ceil(MODELS[case.model]["train_images"] / (world_size * case.batch)) * median,
-        "peak_rss_mib": peak_rss_mib(),
-        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        "final_loss": float(loss.detach().float().cpu()),
-        **(extra or {}),
-    }
-    result_path(out, plan.impl, case, rank).write_text(json.dumps(report))
-    if weights is not None and rank == 0:
-        torch.save({k: v.detach().to("cpu") for k, v in weights.items()}, weights_path(out, plan.impl, case))
 
 
 def release(device: torch.device) -> None:
