@@ -1,12 +1,10 @@
 """The benchmark workload through parallelx: one script for every backend.
 
-    torchrun --nproc-per-node 2 -m benchmarks.px_worker --backend ddp --out /tmp/bench
-    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.px_worker --backend horovod --out /tmp/bench
-    deepspeed --num_gpus 2 --module benchmarks.px_worker --backend deepspeed --out /tmp/bench
+    python -m parallelx launch horovod -n 2 -- -m benchmarks.px_worker --plan plan.json
 
-``benchmarks.run`` starts it with ``--plan plan.json`` (several cases in one
-launch).  The training step is the one parallelx documents:
-``backend.backward(loss); optimizer.step(); optimizer.zero_grad()``.
+``benchmarks.run`` starts it the same way, under the backend's own launcher,
+with a plan of several cases.  The training step is the one parallelx
+documents: ``backend.backward(loss); optimizer.step(); optimizer.zero_grad()``.
 Compare with ``raw_ddp.py``, ``raw_horovod.py`` and ``raw_deepspeed.py``.
 """
 
@@ -52,7 +50,7 @@ def make_backend(name: str, plan: workload.Plan) -> parallelx.Backend:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True, choices=[b for b in parallelx.available_backends() if b != "auto"])
-    args, plan = workload.worker_args(lambda a: f"px-{a.backend}", parser)
+    args, plan = workload.worker_args(parser)
 
     with make_backend(args.backend, plan) as backend:  # shut down even when a case raises
         workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank,

@@ -1,13 +1,12 @@
 """The benchmark workload in HuggingFace Accelerate, written as Accelerate's
 quick tour shows it (no parallelx): the peer most users would pick instead.
 
-    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
-        --dynamo_backend no -m benchmarks.raw_accelerate --out /tmp/bench
-
-Without GPUs the worker asks for the CPU (``Accelerator(cpu=True)``) and the
-launch still says ``--multi_gpu``: Accelerate 1.x's ``--cpu --num_processes 2``
-starts a single process unless it is given an MPI hostfile, and
-``--multi_gpu`` alone starts N processes that each train alone (world size 1).
+``benchmarks.run`` starts it with ``benchmarks.launch.ACCELERATE``
+(``accelerate launch --multi_gpu --num_processes N``).  Without GPUs the
+worker asks for the CPU (``Accelerator(cpu=True)``) and the launch still
+says ``--multi_gpu``: Accelerate 1.x's ``--cpu --num_processes 2`` starts a
+single process unless it is given an MPI hostfile, and ``--multi_gpu``
+alone starts N processes that each train alone (world size 1).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def prepare(case: workload.Case, accelerator: Accelerator) -> tuple[workload.Ste
 
 @workload.exit_on_bench_error
 def main() -> int:
-    _, plan = workload.worker_args("accelerate")
+    _, plan = workload.worker_args()
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

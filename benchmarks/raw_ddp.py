@@ -1,7 +1,7 @@
 """The benchmark workload in plain PyTorch DDP, written as the PyTorch DDP
 tutorial shows it (no parallelx).
 
-    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --out /tmp/bench
+``benchmarks.run`` starts it under the ``ddp`` backend's launcher (torchrun).
 
 Model, optimizer, the tutorial's training step, synthetic data, seeds and
 timing come from ``benchmarks.workload`` so that the work equals
@@ -32,7 +32,7 @@ def prepare(case: workload.Case, device: torch.device, local_rank: int) -> tuple
 
 @workload.exit_on_bench_error
 def main() -> int:
-    _, plan = workload.worker_args("raw-ddp")
+    _, plan = workload.worker_args()
 
     # torchrun exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -1,7 +1,7 @@
 """The benchmark workload in plain DeepSpeed, written as DeepSpeed's
 "Getting Started" guide shows it (no parallelx).
 
-    deepspeed --num_gpus 2 --module benchmarks.raw_deepspeed --out /tmp/bench
+``benchmarks.run`` starts it under the ``deepspeed`` backend's launcher.
 
 Model, optimizer, synthetic data, seeds and timing come from
 ``benchmarks.workload`` so that the work equals ``px_worker --backend deepspeed``:
@@ -57,7 +57,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser = deepspeed.add_config_arguments(parser)
-    args, plan = workload.worker_args("raw-deepspeed", parser)
+    args, plan = workload.worker_args(parser)
 
     deepspeed.init_distributed()
     import torch.distributed as dist

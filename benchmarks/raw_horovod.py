@@ -1,7 +1,7 @@
 """The benchmark workload in plain Horovod, written as Horovod's PyTorch
 guide and its ``pytorch_mnist.py`` example show it (no parallelx).
 
-    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.raw_horovod --out /tmp/bench
+``benchmarks.run`` starts it under the ``horovod`` backend's launcher (horovodrun).
 
 Model, optimizer, the guide's training step, synthetic data, seeds and
 timing come from ``benchmarks.workload`` so that the work equals
@@ -36,7 +36,7 @@ def prepare(case: workload.Case, device: torch.device) -> tuple[workload.Step, n
 
 @workload.exit_on_bench_error
 def main() -> int:
-    _, plan = workload.worker_args("raw-horovod")
+    _, plan = workload.worker_args()
     import horovod.torch as hvd
 
     hvd.init()

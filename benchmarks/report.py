@@ -33,18 +33,12 @@ def versions() -> dict[str, str | None]:
 
 
 def hardware(cores: int, gpu_names: list[str]) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        mem = None
-    return {"arch": platform.machine(), "cpu": cpu, "cores": cores, "memory_gib": mem, "gpus": gpu_names,
-            "os": platform.platform()}
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
+               platform.processor() or platform.machine())
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"arch": platform.machine(), "cpu": cpu, "cores": cores, "gpus": gpu_names, "os": platform.platform(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * pages / 2**30, 1) if pages else None}
 
 
 def write_all(result: dict[str, Any], out_dir: Path, raw: Path | None = None) -> list[Path]:

@@ -1,8 +1,6 @@
 """The plain training step and parallelx's, side by side in the same processes.
 
-    torchrun --nproc-per-node 2 -m benchmarks.same_process --backend ddp --out /tmp/bench
-    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.same_process --backend horovod --out /tmp/bench
-    deepspeed --num_gpus 2 --module benchmarks.same_process --backend deepspeed --out /tmp/bench
+    python -m parallelx launch deepspeed -n 2 -- -m benchmarks.same_process --plan plan.json --blocks 10
 
 Separate launches of the plain script and of parallelx differ by 5-20 % from
 one launch to the next on a shared machine (where the scheduler puts the
@@ -88,7 +86,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True, choices=sorted(PLAIN))
     parser.add_argument("--blocks", type=int, default=10, help="blocks of each implementation, alternating")
-    args, plan = workload.worker_args(lambda a: f"same-{a.backend}", parser)
+    args, plan = workload.worker_args(parser)
     if args.blocks < 1:
         raise workload.BenchError(f"--blocks must be >= 1, got {args.blocks}")
 

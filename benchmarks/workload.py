@@ -8,10 +8,11 @@ its wrapping and its training step.  This module only supplies the inputs and
 records the timings, so a difference between two workers' step times is the
 difference between their training paths.
 
-A worker takes either ``--plan plan.json`` (written by ``benchmarks.run``) or
-one case on the command line::
+A worker takes ``--plan plan.json``: the cases, the process and thread
+counts, where to write.  ``benchmarks.run`` writes one per launch (``--work-dir
+DIR --keep-work`` keeps them in ``DIR/plans``)::
 
-    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --model lenet --batch 256 --out /tmp/bench
+    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --plan DIR/plans/raw-ddp-n2-r0.json
 """
 
 from __future__ import annotations
@@ -111,43 +112,20 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         raw = json.loads(Path(path).read_text())
-        return cls(impl=raw["impl"], nproc=raw["nproc"], threads=raw["threads"], out=raw["out"],
-                   cases=[Case(**c) for c in raw["cases"]], bind_cores=raw.get("bind_cores", False))
+        return cls(**{**raw, "cases": [Case(**c) for c in raw["cases"]]})
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
 
 
-def worker_args(impl: str | Callable[[argparse.Namespace], str],
-                parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, Plan]:
-    """Parse a worker's command line into its plan: ``--plan FILE``, or a
-    single case from ``--model/--batch/...`` for running a worker by hand
-    (then ``impl``, or ``impl(args)``, names the results)."""
+def worker_args(parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, Plan]:
+    """A worker's command line: ``--plan FILE`` and the worker's own options."""
     p = parser or argparse.ArgumentParser()
-    p.add_argument("--plan", help="plan file written by benchmarks.run (overrides the single-case options)")
-    p.add_argument("--model", choices=sorted(MODELS), default="lenet")
-    p.add_argument("--batch", type=int, default=256, help="images per process per step")
-    p.add_argument("--image-size", type=int, default=None, help="default: 32 for lenet, 64 for vgg16")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per process (default: cores // processes on this machine)")
-    p.add_argument("--save-weights", action="store_true")
-    p.add_argument("--out", default="bench-out")
+    p.add_argument("--plan", required=True, help="plan file written by benchmarks.run (--keep-work keeps them)")
     # The deepspeed launcher appends --local_rank=N to every worker's argv.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.plan:
-        return args, Plan.load(args.plan)
-    nproc = int(os.environ.get("WORLD_SIZE", os.environ.get("HOROVOD_SIZE", "1")))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", str(nproc))))
-    threads = args.threads or max(1, cpu_cores() // max(1, local))
-    size = args.image_size or (32 if args.model == "lenet" else 64)
-    case = Case(model=args.model, batch=args.batch, image_size=size, warmup=args.warmup, steps=args.steps,
-                lr=args.lr, save_weights=args.save_weights)
-    name = impl(args) if callable(impl) else impl
-    return args, Plan(impl=name, nproc=nproc, threads=threads, out=args.out, cases=[case])
+    return args, Plan.load(args.plan)
 
 
 def cpu_cores() -> int:
