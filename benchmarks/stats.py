@@ -124,7 +124,7 @@ def compare(a: Row, b: Row, *, impl: str, baseline: str, how: str, case_id: str,
     return {"impl": impl, "baseline": baseline, "how": how, "case_id": case_id, "nproc": nproc,
             "median_step_s": a["median_step_s"], "baseline_median_step_s": b["median_step_s"],
             "ratio": a["median_step_s"] / b["median_step_s"], "ratio_p10": a["p10_step_s"] / b["p10_step_s"],
-            "per_round": per_round, "ci95": round_interval(a, b, lambda x, y: x / y), "max_abs_weight_diff": None}
+            "per_round": per_round, "ci95": round_interval(a, b, lambda x, y: x / y), **weights(None)}
 
 
 def weights(diff: float | None, finite: bool = True) -> Row:
