@@ -12,7 +12,7 @@ A worker takes ``--plan plan.json``: the cases, the process and thread
 counts, where to write.  ``benchmarks.run`` writes one per launch (``--work-dir
 DIR --keep-work`` keeps them in ``DIR/plans``)::
 
-    torchrun --nproc-per-node 2 -m benchmarks.raw_ddp --plan DIR/plans/raw-ddp-n2-r0.json
+    python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan DIR/plans/px-ddp-n2-r0.json
 """
 
 from __future__ import annotations
