@@ -16,6 +16,7 @@ What it gets right on every backend:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from parallelx import Backend, MetricSums, real_mask
+from parallelx import Backend, MetricSums, warn
 from parallelx.errors import ParallelxError
 from parallelx.utils import threads_per_process
 
@@ -62,6 +63,10 @@ def default_num_workers(local_world_size: int) -> int:
 
 def _loader(backend: Backend, dataset: Dataset, cfg: FitConfig, *, train: bool) -> DataLoader:
     workers = default_num_workers(backend.local_world_size) if cfg.num_workers is None else cfg.num_workers
+    share = threads_per_process(backend.local_world_size)
+    if workers > share:
+        warn(f"--num-workers {workers} is more than this process's share of the CPU cores ({share}); "
+             "the extra workers only compete for them")
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -81,32 +86,45 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
     ``criterion`` must return per-sample losses (``reduction="none"``)."""
     train = optimizer is not None
     model.train(train)
-    sums = MetricSums()
-    seen = 0  # position in this rank's shard, for the padding mask
+    sums = MetricSums(loader.sampler)  # leaves the sampler's padding duplicates out by itself
     steps = len(loader) if max_steps is None else min(len(loader), max_steps)
     start = time.perf_counter()
-    bar = tqdm(loader, total=steps, desc=desc, disable=not backend.is_main(), leave=False, dynamic_ncols=True,
-                mininterval=1.0)
-    with torch.set_grad_enabled(train):
-        for step, (x, y) in enumerate(bar):
-            if step >= steps:
-                break
-            x = x.to(backend.device, non_blocking=True)
-            y = y.to(backend.device, non_blocking=True)
-            out = model(x)
-            per_sample = criterion(out, y)
-            if train:
-                backend.backward(per_sample.mean())
-                optimizer.step()
-                optimizer.zero_grad()
-            sums.update(per_sample, out.argmax(1) == y, real_mask(loader.sampler, seen, len(y)))
-            seen += len(y)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{per_sample.mean().item():.4f}")
-    bar.close()
+    shows_bar = backend.is_main()
+    bar = tqdm(loader, total=steps, desc=desc, disable=not shows_bar, leave=False, dynamic_ncols=True,
+               mininterval=1.0)
+    try:
+        with torch.set_grad_enabled(train):
+            for step, (x, y) in enumerate(bar):
+                if step >= steps:
+                    break
+                x = x.to(backend.device, non_blocking=True)
+                y = y.to(backend.device, non_blocking=True)
+                out = model(x)
+                per_sample = criterion(out, y)
+                if train:
+                    backend.backward(per_sample.mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                sums.update(per_sample, out.argmax(1) == y)
+                # .item() waits for the GPU: only on the rank that shows the bar, every 10th step.
+                if shows_bar and step % 10 == 0:
+                    bar.set_postfix(loss=f"{per_sample.mean().item():.4f}")
+    except ParallelxError as exc:
+        raise ParallelxError(_worker_message(str(exc))) from None
+    finally:
+        bar.close()
     result = sums.compute(backend)
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _worker_message(message: str) -> str:
+    """The message of an error raised in a data-loader worker, without the
+    worker's traceback that the DataLoader adds to it when it re-raises."""
+    marker = "ParallelxError: "
+    if "Original Traceback" in message and marker in message:
+        return message.rsplit(marker, 1)[1].strip()
+    return message
 
 
 def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, val_set: Dataset,
@@ -118,8 +136,7 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     train_loader = _loader(backend, train_set, cfg, train=True)
     val_loader = _loader(backend, val_set, cfg, train=False)
     out = Path(cfg.out_dir)
-    if backend.is_main():
-        out.mkdir(parents=True, exist_ok=True)
+    _make_out_dir(backend, out)
     history: list[dict[str, float]] = []
     best_acc, best_epoch = -1.0, 0
     since = time.perf_counter()
@@ -131,6 +148,9 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
         tr = run_epoch(backend, model, train_loader, criterion, optimizer=optimizer,
                        desc=f"train {epoch}", max_steps=cfg.max_steps)
         backend.print(f"train Loss: {tr['loss']:.4f} Acc: {tr['acc']:.4f}")
+        if not math.isfinite(tr["loss"]):  # all-reduced: every rank stops together
+            raise ParallelxError(f"the training loss is {tr['loss']} in epoch {epoch}: the weights diverged; "
+                                 "lower --lr and run again")
         va = run_epoch(backend, model, val_loader, criterion, desc=f"val {epoch}")
         backend.print(f"val Loss: {va['loss']:.4f} Acc: {va['acc']:.4f}")
         history.append({
@@ -162,6 +182,20 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     backend.print(f"outputs in {out.resolve()}")
     backend.barrier()
     return metrics
+
+
+def _make_out_dir(backend: Backend, out: Path) -> None:
+    """The main rank creates ``out``; a failure stops every rank (the others
+    would otherwise train on and wait for it in the first collective)."""
+    error = None
+    if backend.is_main():
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = f"cannot create the output directory {out} ({exc.strerror or exc}); choose another --out-dir"
+    error = backend.broadcast(error, src=0)
+    if error is not None:
+        raise ParallelxError(error)
 
 
 def _write_history(out: Path, history: list[dict[str, float]]) -> None:
