@@ -1,7 +1,14 @@
 """Training recipes that run unchanged on every parallelx backend.
 
+From a checkout of the repository::
+
     python -m recipes.cifar10 --backend single
     torchrun --nproc-per-node 2 -m recipes.cifar10 --backend ddp
     horovodrun -np 2 python -m recipes.dogcat --backend horovod
     deepspeed --num_gpus 2 recipes/dogcat.py --backend deepspeed
+
+Installed, the same modules are ``parallelx.recipes`` (``python -m
+parallelx.recipes.cifar10``).  Inside the package every import is relative, so
+both names work, and so does running a recipe as a file (as the deepspeed
+launcher does).
 """

@@ -17,43 +17,57 @@ On 2 CPU cores, 2 epochs of 5,000 generated images take about a minute.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file, as the deepspeed launcher does
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file (the deepspeed launcher does): be the package module all the same
+    _folder = Path(__file__).resolve().parent
+    # Python put this folder first on sys.path, where data.py, models.py, ...
+    # would shadow any top-level module of those names; the repository root goes there instead.
+    sys.path[:] = [str(_folder.parent), *(p for p in sys.path if Path(p or ".").resolve() != _folder)]
+    import recipes  # noqa: F401  (the package the relative imports below resolve in)
+
+    __package__ = "recipes"
 
 import torch
 
-from parallelx import seed_everything
-from parallelx.cli import backend_from_args, exit_on_error
-from recipes.common import base_parser
-from recipes.data import load_cifar10
-from recipes.engine import FitConfig, fit
-from recipes.models import LeNet
+import parallelx
+
+from .common import base_parser, validate
+from .data import cifar10_folder, load_cifar10
+from .engine import FitConfig, fit
+from .models import LeNet
 
 
-@exit_on_error
-def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("recipes.cifar10", "CIFAR-10 with LeNet", epochs=10, batch_size=64, lr=0.01)
+def build_parser() -> argparse.ArgumentParser:
+    parser = base_parser(f"python -m {__package__}.cifar10", "CIFAR-10 with LeNet", epochs=10, batch_size=64,
+                         lr=0.01)
     parser.add_argument("--download", action="store_true", help="download CIFAR-10 into --data-dir")
     parser.add_argument("--skip-checksum", action="store_true", help="read files whose md5 sums are not official")
-    args = parser.parse_args(argv)
+    return parser
 
-    backend = backend_from_args(args)
-    backend.init()
-    seed_everything(args.seed)  # same initial weights on every rank
 
-    train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum,
-                                      verbose=backend.is_main())
-    model = LeNet(num_classes=10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    model, optimizer = backend.setup(model, optimizer)
+@parallelx.exit_on_error
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Everything that can be checked without reading the data or joining a
+    # process group is checked first: the backend's own options (a DeepSpeed
+    # config file) when it is built, then the paths.
+    backend = parallelx.from_args(args)
+    args.out_dir = args.out_dir or Path("runs") / f"cifar10-{backend.name}"
+    validate(args)
+    cifar10_folder(args.data_dir, download=args.download)
 
-    cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                    max_steps=args.max_steps, out_dir=args.out_dir or Path("runs") / f"cifar10-{backend.name}")
-    fit(backend, model, optimizer, train_set, val_set, cfg, run_info={"recipe": "cifar10", "model": "LeNet"})
-    backend.shutdown()
+    with backend:  # released on every rank when anything below raises
+        parallelx.seed_everything(args.seed)  # same initial weights on every rank
+        train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum)
+        model = LeNet(num_classes=10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        model, optimizer = backend.setup(model, optimizer)
+        cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
+                        max_steps=args.max_steps, out_dir=args.out_dir)
+        fit(backend, model, optimizer, train_set, val_set, cfg, run_info={"recipe": "cifar10", "model": "LeNet"})
     return 0
 
 

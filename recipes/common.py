@@ -1,25 +1,177 @@
-"""The command line shared by the recipes."""
+"""The command line shared by the recipes, and the checks that run before
+any data is read or any process group is joined.
+
+Every option a user can get wrong fails here with one line on stderr,
+``error: ...``, and exit status 2: the numbers through argparse ``type=``
+validators (:class:`RecipeParser` prints argparse's errors as that one line
+too), the file-system paths through :func:`validate`, which raises
+:class:`~parallelx.ParallelxError` (the recipes' ``main`` is wrapped with
+:func:`parallelx.exit_on_error`).  A run that gets past these checks and the
+data loaders does not stop on its inputs halfway through training.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from parallelx.cli import add_backend_arguments
+import parallelx
+from parallelx.errors import ParallelxError
+
+#: Seeds are used as ``seed + epoch`` and ``seed + 1000 * rank`` too; NumPy's
+#: range keeps every one of them valid for ``torch.manual_seed``.
+SEED_MAX = 2**32 - 1
 
 
-def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_backend_arguments(p)
+class RecipeParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``error: ...``, exit
+    status 2, like every other input error of the recipes (argparse's own
+    output repeats the whole usage, many lines for these scripts)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------- argparse types
+def _number(text: str, kind: Callable[[str], float | int]) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def seed(text: str) -> int:
+    """argparse type: a random seed in ``[0, SEED_MAX]``."""
+    value = int(_number(text, int))
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {value}")
+    return value
+
+
+def learning_rate(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(_number(text, float))
+    if not (value > 0 and math.isfinite(value)):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def momentum(text: str) -> float:
+    """argparse type: SGD momentum in [0, 1).  At 1 or above the velocity
+    never decays and the weights diverge."""
+    value = float(_number(text, float))
+    if not 0 <= value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}; 0.9 is usual")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number strictly between 0 and 1."""
+    value = float(_number(text, float))
+    if not 0 < value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1, got {text}")
+    return value
+
+
+# ---------------------------------------------------------------------- parser
+def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> RecipeParser:
+    p = RecipeParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parallelx.add_arguments(p)
     p.add_argument("--data-dir", type=Path, required=True, help="where the dataset is (see --help of each recipe)")
-    p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--batch-size", type=int, default=batch_size, help="images per process per step")
-    p.add_argument("--lr", type=float, default=lr, help="learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-workers", type=int, default=None,
+    p.add_argument("--epochs", type=positive_int, default=epochs)
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="images per process per step")
+    p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
+    p.add_argument("--momentum", type=momentum, default=0.9)
+    p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
+    p.add_argument("--num-workers", type=non_negative_int, default=None,
                    help="data-loader workers per process (default: this process's share of the cores, minus one)")
-    p.add_argument("--max-steps", type=int, default=None, help="cap on training steps per epoch (quick runs)")
+    p.add_argument("--max-steps", type=positive_int, default=None, help="cap on training steps per epoch (quick runs)")
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
     return p
+
+
+# ------------------------------------------------------------------ validation
+def validate(args: argparse.Namespace) -> None:
+    """The checks of the shared options that argparse cannot make: the
+    file system.  ``args.out_dir`` must be set (the recipes fill in the
+    default first).  Raises :class:`ParallelxError`."""
+    check_out_dir(args.out_dir)
+    check_data_dir(args.data_dir)
+    check_num_workers(getattr(args, "num_workers", None))
+
+
+def check_num_workers(workers: int | None) -> None:
+    """A bound on loader workers: each is a process with its own copy of the
+    dataset object, so thousands of them exhaust memory or process ids in
+    the middle of the first epoch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = max(8, 4 * cores)
+    if workers is not None and workers > limit:
+        raise ParallelxError(f"--num-workers {workers} would start {workers} loader processes per training process "
+                             f"on {cores} CPU core(s); use at most {limit} (the default, each process's share of "
+                             "the cores less one, suits most runs)")
+
+
+def check_data_dir(path: Path) -> None:
+    """A data directory that exists must be a directory.  (A missing one is
+    reported by the data loaders, which know how to make one.)"""
+    if path.exists() and not path.is_dir():
+        raise ParallelxError(f"--data-dir {path} is a file; expected the directory that holds the dataset")
+
+
+def check_out_dir(path: Path, option: str = "--out-dir") -> None:
+    """``path`` is an existing writable directory, or one that can be created:
+    its nearest existing ancestor is a writable directory.  Checked by
+    writing a probe file, since ``os.access`` says yes to root even on a
+    read-only file system."""
+    if path.is_symlink() and not path.exists():
+        raise ParallelxError(f"{option} {path} is a broken symbolic link (to {os.readlink(path)}); "
+                             "remove it or choose another directory")
+    if path.exists() and not path.is_dir():
+        raise ParallelxError(f"{option} {path} is a file; expected a directory (it is created if missing): "
+                             "choose another path")
+    nearest = path
+    while not nearest.exists():
+        if nearest.is_symlink():
+            raise ParallelxError(f"{option} {path} cannot be created: {nearest} is a broken symbolic link")
+        if nearest.parent == nearest:
+            break
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ParallelxError(f"{option} {path} cannot be created: {nearest} is a file, not a directory; "
+                             "choose a path that is not under a file")
+    if not os.access(nearest, os.W_OK | os.X_OK) or not _can_write_in(nearest):
+        where = "" if nearest == path else f" (it would be created in {nearest})"
+        raise ParallelxError(f"{option} {path} is not writable{where}; choose a directory you can write to")
+
+
+def _can_write_in(directory: Path) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".parallelx-write-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True

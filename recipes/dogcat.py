@@ -19,49 +19,89 @@ VGG16 has 138 M parameters: on 2 CPU cores expect ~10 images/s at
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file, as the deepspeed launcher does
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file (the deepspeed launcher does): be the package module all the same
+    _folder = Path(__file__).resolve().parent
+    # Python put this folder first on sys.path, where data.py, models.py, ...
+    # would shadow any top-level module of those names; the repository root goes there instead.
+    sys.path[:] = [str(_folder.parent), *(p for p in sys.path if Path(p or ".").resolve() != _folder)]
+    import recipes  # noqa: F401  (the package the relative imports below resolve in)
+
+    __package__ = "recipes"
 
 import torch
 
-from parallelx import seed_everything
-from parallelx.cli import backend_from_args, exit_on_error
-from recipes.common import base_parser
-from recipes.data import load_dogcat
-from recipes.engine import FitConfig, fit
-from recipes.models import check_vgg_image_size, vgg16_for_dogcat
+import parallelx
+from parallelx.errors import ParallelxError
+from parallelx.utils import threads_per_process
+
+from .common import base_parser, fraction, validate
+from .data import list_dogcat, load_dogcat, split_indices
+from .engine import FitConfig, fit
+from .models import (VGG16_MAX_IMAGE_SIZE, VGG16_MIN_IMAGE_SIZE, check_vgg_image_size, imagenet_vgg16_state,
+                     read_vgg16_weights, vgg16_for_dogcat)
 
 
-@exit_on_error
-def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("recipes.dogcat", "Dogs-vs-Cats with VGG16", epochs=3, batch_size=16, lr=0.001)
-    parser.add_argument("--image-size", type=int, default=224, help="images are resized to SIZE x SIZE")
+def image_size(text: str) -> int:
+    """argparse type: an image size VGG16 can take."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of pixels, got {text!r}") from None
+    try:
+        check_vgg_image_size(value)
+    except ParallelxError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--image-size ")) from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = base_parser(f"python -m {__package__}.dogcat", "Dogs-vs-Cats with VGG16", epochs=3, batch_size=16,
+                         lr=0.001)
+    parser.add_argument("--image-size", type=image_size, default=224,
+                        help=f"images are resized to SIZE x SIZE, {VGG16_MIN_IMAGE_SIZE} to {VGG16_MAX_IMAGE_SIZE}")
     parser.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
     parser.add_argument("--weights", type=Path, default=None, help="start from a local VGG16 state dict")
     parser.add_argument("--freeze-features", action="store_true", help="train the classifier only")
-    parser.add_argument("--val-fraction", type=float, default=0.2)
-    args = parser.parse_args(argv)
-    check_vgg_image_size(args.image_size)  # before any process group is joined
+    parser.add_argument("--val-fraction", type=fraction, default=0.2, help="share of the images that validates")
+    return parser
 
-    backend = backend_from_args(args)
-    backend.init()
-    seed_everything(args.seed)  # same initial weights on every rank
 
-    train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction, seed=args.seed,
-                                     verbose=backend.is_main())
-    model = vgg16_for_dogcat(pretrained=args.pretrained, weights=args.weights, freeze_features=args.freeze_features)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
-    model, optimizer = backend.setup(model, optimizer)
+@parallelx.exit_on_error
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.pretrained and args.weights is not None:
+        raise ParallelxError("use either --pretrained or --weights PATH, not both")
+    # Everything that can be checked without decoding images or joining a
+    # process group is checked first: the backend's own options (a DeepSpeed
+    # config file) when it is built, the paths, the listing of the data and
+    # whether it splits, the starting weights.
+    backend = parallelx.from_args(args)
+    args.out_dir = args.out_dir or Path("runs") / f"dogcat-{backend.name}"
+    validate(args)
+    split_indices(len(list_dogcat(args.data_dir)[0]), args.val_fraction, args.seed)
+    start = None
+    if args.pretrained:
+        start = imagenet_vgg16_state()
+    elif args.weights is not None:
+        start = read_vgg16_weights(args.weights)
 
-    cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                    max_steps=args.max_steps, out_dir=args.out_dir or Path("runs") / f"dogcat-{backend.name}")
-    fit(backend, model, optimizer, train_set, val_set, cfg,
-        run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size})
-    backend.shutdown()
+    with backend:  # released on every rank when anything below raises
+        parallelx.seed_everything(args.seed)  # same initial weights on every rank
+        train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction,
+                                         seed=args.seed, threads=threads_per_process(backend.local_world_size))
+        model = vgg16_for_dogcat(weights=start, freeze_features=args.freeze_features)
+        del start  # the model holds its own copy
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
+        model, optimizer = backend.setup(model, optimizer)
+        cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
+                        max_steps=args.max_steps, out_dir=args.out_dir)
+        fit(backend, model, optimizer, train_set, val_set, cfg,
+            run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size})
     return 0
 
 

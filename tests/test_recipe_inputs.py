@@ -1,5 +1,6 @@
 """Bad input to the recipes: a clear message and exit status 2, no traceback.
-Plus the data formats, model loading and the engine's per-epoch shuffle."""
+Plus the data formats, model loading and the engine's per-epoch shuffle.
+(The full catalogue of bad inputs is in test_recipe_validation.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
         assert needle in proc.stderr, proc.stderr[-2000:]
 
 
+def in_process(capsys, recipe: str, *args: str) -> str:
+    """Run the recipe's ``main`` here (no seconds of imports per case); return
+    its stderr after checking for exit status 2 and no traceback."""
+    import importlib
+
+    main = importlib.import_module(f"recipes.{recipe}").main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["--backend", "single", *args])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err[-2000:]
+    return err
+
+
 @pytest.fixture(scope="module")
 def small_dogcat(tmp_path_factory) -> Path:
     from recipes.make_data import make_dogcat
@@ -35,15 +50,20 @@ def small_dogcat(tmp_path_factory) -> Path:
     return make_dogcat(tmp_path_factory.mktemp("dc"), n_per_class=6, seed=1)
 
 
-def test_missing_data_directory(tmp_path):
-    assert_clean_error(recipe("cifar10", "--data-dir", str(tmp_path / "nope")), "no CIFAR-10 data", "make_data")
-    assert_clean_error(recipe("dogcat", "--data-dir", str(tmp_path / "nope")), "does not exist")
+def test_missing_data_directory(tmp_path, capsys):
+    err = in_process(capsys, "cifar10", "--data-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "o"))
+    assert "no CIFAR-10 data" in err and "make_data" in err
+    err = in_process(capsys, "dogcat", "--data-dir", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "o"))
+    assert "does not exist" in err
 
 
-def test_empty_data_directory(tmp_path):
-    assert_clean_error(recipe("dogcat", "--data-dir", str(tmp_path)), "no images found")
-    (tmp_path / "cifar-10-batches-py").mkdir()
-    assert_clean_error(recipe("cifar10", "--data-dir", str(tmp_path)), "not a complete CIFAR-10 folder")
+def test_empty_data_directory(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    assert "no images found" in in_process(capsys, "dogcat", "--data-dir", str(data), "--out-dir", str(tmp_path / "o"))
+    (data / "cifar-10-batches-py").mkdir()
+    err = in_process(capsys, "cifar10", "--data-dir", str(data), "--out-dir", str(tmp_path / "o"))
+    assert "not a complete CIFAR-10 folder" in err
 
 
 def test_unreadable_images_are_skipped_and_counted(small_dogcat, tmp_path):
@@ -61,14 +81,14 @@ def test_unreadable_images_are_skipped_and_counted(small_dogcat, tmp_path):
     assert "cat.100.jpg" in proc.stderr and "dog.100.jpg" in proc.stderr
 
 
-def test_csv_with_wrong_columns(small_dogcat, tmp_path):
+def test_csv_with_wrong_columns(small_dogcat, tmp_path, capsys):
     import shutil
 
     data = tmp_path / "data"
     shutil.copytree(small_dogcat, data)
     (data / "train.csv").write_text("file,class\ncat.0.jpg,0\n")
-    assert_clean_error(recipe("dogcat", "--data-dir", str(data), "--image-size", "32"),
-                       "expected the columns 'filename,label'", "file,class")
+    err = in_process(capsys, "dogcat", "--data-dir", str(data), "--image-size", "32", "--out-dir", str(tmp_path / "o"))
+    assert "expected the columns 'filename,label'" in err and "file,class" in err
 
 
 def test_csv_labels_are_used(small_dogcat, tmp_path):
@@ -84,9 +104,9 @@ def test_csv_labels_are_used(small_dogcat, tmp_path):
     assert [f.name for f in files] == ["cat.0.jpg", "cat.1.jpg", "dog.0.jpg"] and labels == [1, 0, 0]
 
 
-def test_image_size_too_small_for_vgg16(small_dogcat):
-    assert_clean_error(recipe("dogcat", "--data-dir", str(small_dogcat), "--image-size", "16"),
-                       "too small for VGG16", "at least 32")
+def test_image_size_too_small_for_vgg16(small_dogcat, capsys):
+    err = in_process(capsys, "dogcat", "--data-dir", str(small_dogcat), "--image-size", "16")
+    assert "too small for VGG16" in err and "at least 32" in err
 
 
 def test_pretrained_without_network_says_what_to_do(small_dogcat, tmp_path):
@@ -170,3 +190,52 @@ def test_fit_config_rejects_nonsense():
         FitConfig(epochs=0, batch_size=1, out_dir=Path("x"))
     with pytest.raises(ParallelxError, match="--batch-size must be >= 1"):
         FitConfig(epochs=1, batch_size=0, out_dir=Path("x"))
+
+
+def test_run_epoch_leaves_the_samplers_padding_out():
+    import parallelx
+    from parallelx.sampler import ShardedSampler
+    from recipes.engine import run_epoch
+
+    backend = parallelx.get_backend("single")
+    backend.init()
+    # Rank 1 of 2 over 5 samples: positions 1, 3 are real, the third is padding.
+    data = torch.utils.data.TensorDataset(torch.eye(5), torch.arange(5))
+    sampler = ShardedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    model = torch.nn.Linear(5, 5)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(5))
+        model.bias.zero_()
+    result = run_epoch(backend, model, loader, torch.nn.CrossEntropyLoss(reduction="none"))
+    assert result["count"] == 2 and result["acc"] == 1.0
+    again = run_epoch(backend, model, loader, torch.nn.CrossEntropyLoss(reduction="none"))
+    assert again["count"] == 2, "a second pass counts afresh"
+
+
+class _BrokenImages(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        from parallelx.errors import ParallelxError
+
+        raise ParallelxError(f"cannot decode img{index}.jpg (OSError: broken data stream)")
+
+
+def test_error_in_a_loader_worker_arrives_as_its_own_message():
+    # The DataLoader re-raises a worker's error with the worker's traceback in
+    # its message; the engine passes on the message alone (one line on stderr).
+    import parallelx
+    from parallelx.errors import ParallelxError
+    from parallelx.sampler import ShardedSampler
+    from recipes.engine import run_epoch
+
+    backend = parallelx.get_backend("single")
+    backend.init()
+    data = _BrokenImages()
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=ShardedSampler(data, shuffle=False),
+                                         num_workers=1)
+    with pytest.raises(ParallelxError) as raised:
+        run_epoch(backend, torch.nn.Linear(5, 5), loader, torch.nn.CrossEntropyLoss(reduction="none"))
+    assert str(raised.value) == "cannot decode img0.jpg (OSError: broken data stream)"
