@@ -289,10 +289,11 @@ def _read_csv_listing(csv_path: Path, images: Path) -> list[tuple[Path, int]]:
     return pairs
 
 
-def list_dogcat(data_dir: str | Path) -> tuple[list[Path], list[int]]:
+def list_dogcat(data_dir: str | Path, *, warn_ignored: bool = False) -> tuple[list[Path], list[int]]:
     """Image files and labels (0 = cat, 1 = dog), sorted by file name, without
     opening any image: cheap enough to check the layout before a process
-    group is joined.
+    group is joined (where a warning would still print on every rank: hence
+    ``warn_ignored``, for image files whose names give no label).
 
     Labels come from ``DIR/train.csv`` (columns ``filename,label``; label 0/1 or
     cat/dog) when present, else from the file names (``cat.*``, ``dog.*``).
@@ -315,7 +316,7 @@ def list_dogcat(data_dir: str | Path) -> tuple[list[Path], list[int]]:
                     unnamed.append(p.name)
                 else:
                     pairs.append((p, lab))
-        if unnamed and pairs:
+        if unnamed and pairs and warn_ignored:
             warn(f"ignored {len(unnamed)} image file(s) in {images} whose names start with neither cat. nor dog. "
                  f"(e.g. {unnamed[0]}); label them in a train.csv (filename,label) to use them")
     if not pairs:
@@ -355,7 +356,7 @@ def scan_dogcat(data_dir: str | Path, *, threads: int | None = None) -> tuple[li
     (wrong format, truncated, damaged), which are skipped with one warning
     that counts them.  Decoding runs on ``threads`` threads (PIL releases the
     GIL while it decodes)."""
-    files, labels = list_dogcat(data_dir)
+    files, labels = list_dogcat(data_dir, warn_ignored=True)
     with ThreadPoolExecutor(max_workers=max(1, threads or _default_scan_threads())) as pool:
         ok = list(pool.map(is_decodable_image, files))
     bad = [p.name for p, good in zip(files, ok) if not good]

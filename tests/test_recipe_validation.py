@@ -409,6 +409,19 @@ def test_image_passing_the_header_check_but_not_decoding_is_skipped(inputs, tmp_
     assert not {f.name for f in files} & {"dog.50.jpg", "cat.50.jpg", "cat.51.png"}
 
 
+def test_files_named_neither_cat_nor_dog_are_counted_once(inputs, tmp_path, capsys):
+    from recipes.data import list_dogcat, scan_dogcat
+
+    data = tmp_path / "data"
+    shutil.copytree(inputs["dogcat"], data)
+    shutil.copy(data / "train" / "cat.0.jpg", data / "train" / "bird.0.jpg")
+    capsys.readouterr()
+    assert len(list_dogcat(data)[0]) == 6  # the check before init: silent
+    assert capsys.readouterr().err == ""
+    assert len(scan_dogcat(data)[0]) == 6
+    assert "ignored 1 image file(s)" in capsys.readouterr().err
+
+
 def test_csv_labels_and_names_are_parsed_strictly(inputs, tmp_path):
     from recipes.data import list_dogcat
 
