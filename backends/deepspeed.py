@@ -283,7 +283,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
         deepspeed.init_distributed(dist_backend=self._dist_backend(), verbose=False,
                                    timeout=_dt.timedelta(seconds=self.timeout_s))
-        self._read_world()
+        self._read_world("LOCAL_SIZE")  # the deepspeed launcher's name for it
         if self.math_changes:
             warn(f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
                  "what one process (and the other backends) compute")

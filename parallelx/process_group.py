@@ -55,10 +55,11 @@ class ProcessGroupBackend(Backend):
         # NCCL for a process that has its own GPU, else Gloo.
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def _read_world(self) -> None:
+    def _read_world(self, local_size_variable: str = "LOCAL_WORLD_SIZE") -> None:
+        """Rank and world size from the joined group; the processes on this
+        machine from the launcher's variable (torchrun's by default)."""
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE",
-                                                                                        self._world_size)))
+        self._local_world_size = int(os.environ.get(local_size_variable, self._world_size))
 
     def _comm_device(self, tensor: torch.Tensor) -> torch.device:
         # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
