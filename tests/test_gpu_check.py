@@ -1,0 +1,240 @@
+"""The GPU check (``scripts/gpu_check.py``) in its CPU dry run, so that it
+cannot rot between the rare runs on a GPU machine; the carried-wheels folder
+logic of ``scripts/gpu_wheels.py`` without downloading; ``gpu_check.sh``'s syntax.
+
+    python -m pytest tests/test_gpu_check.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from launching import ROOT
+
+DRY_RUN_TIMEOUT_S = 360
+#: What only a GPU machine can check: the dry run must list each as skipped.
+CUDA_ONLY = (
+    "install / Horovod built with NCCL operations",
+    "environment / GPU, CUDA, NCCL and cuDNN",
+    "recipes / DataParallel scatter over GPUs",
+    "throughput / VGG16 224 px, 32/process, fp32",
+    "throughput / VGG16 224 px, 32/process, bf16-mixed",
+    "host-sync / synchronisations per step on ddp",
+)
+
+
+def load_script(name: str) -> ModuleType:
+    """A module of ``scripts/`` (not a package), imported by path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------- the dry run
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    from benchmarks.launch import unavailable
+
+    missing = "; ".join(f"{b}: {why}" for b in ("ddp", "horovod", "deepspeed") if (why := unavailable(b)))
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing}; run scripts/setup.sh")
+        pytest.skip(missing)
+    tmp = tmp_path_factory.mktemp("gpu-check")
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp / "out"),
+           "--work", str(tmp / "work")]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DRY_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: the check then kills the launch it is running and writes its report.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"gpu_check.py --dry-run ran past {DRY_RUN_TIMEOUT_S}s:\n{output[-4000:]}")
+    return proc.returncode, output, tmp / "out"
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
+def test_dry_run_passes_and_writes_its_report(dry_run):
+    rc, output, out = dry_run
+    assert rc == 0, f"gpu_check.py --dry-run exited {rc}:\n{output[-6000:]}"
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["result"] == "passed" and summary["mode"] == "dry-run" and summary["nproc"] == 2
+    report = (out / "report.md").read_text()
+    assert "**Result: PASSED**" in report
+    for name in ("install", "environment", "recipes", "throughput", "host-sync"):
+        assert f"## {name}" in report
+    # One progress line per step, with its time.
+    assert "[gpu-check] recipes / cifar10 on ddp: passed in " in output
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
+def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
+    _, output, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["sections"]) == ["install", "environment", "recipes", "throughput", "host-sync"]
+    for name, section in summary["sections"].items():
+        assert section["status"] in ("passed", "skipped"), f"{name}: {section}"
+        for item in section["items"]:
+            assert item["status"] in ("passed", "skipped"), f"{name} / {item['name']}: {item['detail']}"
+            if item["status"] == "skipped":
+                assert len(item["detail"]) > 10, f"{name} / {item['name']} skipped without a reason"
+    # What the dry run exists for ran: the recipes under every launcher, the harnesses.
+    items = {f"{n} / {i['name']}": i for n, s in summary["sections"].items() for i in s["items"]}
+    for backend in ("single", "ddp", "deepspeed", "horovod"):  # dp is single on the CPU
+        assert items[f"recipes / cifar10 on {backend}"]["status"] == "passed"
+        figures = items[f"recipes / cifar10 on {backend}"]["figures"]
+        assert figures["val_acc"] == figures["reference_acc"]
+    assert items["recipes / dogcat on single"]["status"] == "passed"
+    harness = [i for k, i in items.items() if k.startswith("throughput / same-process harness")]
+    assert len(harness) == 1 and harness[0]["status"] == "passed" and harness[0]["figures"]["ratio"] > 0
+    loop = items["host-sync / training loop on ddp"]
+    assert loop["status"] == "passed" and loop["figures"]["step_ratio"] > 0
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
+def test_cuda_only_checks_are_listed_as_skipped(dry_run):
+    _, _, out = dry_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["skipped_cuda_only"]) == sorted(CUDA_ONLY)
+    items = {f"{n} / {i['name']}": i for n, s in summary["sections"].items() for i in s["items"]}
+    for name in CUDA_ONLY:
+        assert items[name]["status"] == "skipped" and items[name]["needs"] == "cuda"
+    # bf16 is skipped for its own reason, whatever the machine.
+    assert "does not exist yet" in items["throughput / VGG16 224 px, 32/process, bf16-mixed"]["detail"]
+
+
+# -------------------------------------------------- the check's machinery
+
+def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
+    gpu_check = load_script("gpu_check")
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", deadline=1e12, settings=gpu_check.DRY_RUN, nproc=2)
+
+    def broken() -> gpu_check.Outcome:
+        raise RuntimeError("boom")
+
+    def skipped() -> gpu_check.Outcome:
+        raise gpu_check.Skip("not here")
+
+    def failed() -> gpu_check.Outcome:
+        raise gpu_check.Fail("expected 1, got 2", log="the launch's output")
+
+    check.step("recipes", "broken", broken)
+    check.step("recipes", "skipped", skipped)
+    check.step("recipes", "failed", failed)
+    check.step("recipes", "fine", lambda: gpu_check.Outcome("ok", {"x": 1.0}))
+    check.step("throughput", "too long", lambda: gpu_check.Outcome("never"), need_s=2e12)
+    status = {i.name: (i.status, i.detail) for i in check.items}
+    assert status["broken"] == ("failed", "RuntimeError: boom")
+    assert status["skipped"] == ("skipped", "not here")
+    assert status["failed"] == ("failed", "expected 1, got 2")
+    assert status["fine"] == ("passed", "ok")
+    assert status["too long"][0] == "skipped" and status["too long"][1].startswith("out of time")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["result"] == "failed" and summary["counts"] == {"passed": 1, "failed": 2, "skipped": 2}
+    assert summary["sections"]["recipes"]["status"] == "failed"
+    assert summary["sections"]["throughput"]["status"] == "skipped"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "**Result: FAILED**" in report and "RuntimeError: boom" in report and "the launch's output" in report
+
+
+def test_precisions_follow_what_parallelx_offers():
+    """bf16-mixed is skipped while parallelx has no such option; once it has
+    one, this fails until the check's one-line PRECISIONS entry passes it."""
+    gpu_check = load_script("gpu_check")
+    assert gpu_check.PRECISIONS["fp32"] == ()
+    assert (gpu_check.PRECISIONS["bf16-mixed"] is None) == (not gpu_check.parallelx_offers("bf16-mixed"))
+    assert "does not exist yet" in gpu_check.precision_missing_reason("bf16-mixed")
+
+
+def test_gpu_check_sh_parses():
+    res = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# ------------------------------------------------------- the wheels folder
+
+def _fill(folder: Path, gpu_wheels: ModuleType) -> None:
+    """Empty stand-ins for every file gpu_wheels.py would fetch."""
+    folder.mkdir(exist_ok=True)
+    for d in gpu_wheels.DISTS:
+        name = {"build": f"{d.stem}-py3-none-any.whl", "sdist": f"{d.stem}.tar.gz",
+                "download": f"{d.stem}-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"}[d.how]
+        (folder / name).write_bytes(b"x" * 1000)
+    (folder / "parallelx-0.2.0-py3-none-any.whl").write_bytes(b"x" * 1000)
+    (folder / gpu_wheels.MANIFEST).write_text("{}")
+
+
+def test_wheel_folder_check_finds_what_is_missing_doubled_foreign_or_too_big(tmp_path):
+    gpu_wheels = load_script("gpu_wheels")
+    folder = tmp_path / "gpu-wheels"
+    assert gpu_wheels.check_folder(folder)[0].startswith(f"{folder} holds no wheels")
+    _fill(folder, gpu_wheels)
+    assert gpu_wheels.check_folder(folder) == []
+
+    (folder / "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl").unlink()
+    (folder / "msgpack-1.2.3-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    (folder / "cffi-2.1.1-cp311-cp311-manylinux_2_17_aarch64.whl").write_bytes(b"")
+    (folder / "numpy-2.4.6-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    problems = "\n".join(gpu_wheels.check_folder(folder))
+    assert "missing pydantic_core-2.50.5" in problems
+    assert "2 files for msgpack-1.2.4" not in problems  # another version is not this one: it is foreign
+    assert "unexpected file msgpack-1.2.3" in problems and "unexpected file numpy-2.4.6" in problems
+    assert "2 files for cffi-2.1.1" in problems
+    assert "cffi-2.1.1-cp311-cp311-manylinux_2_17_aarch64.whl is not for CPython 3.12" in problems
+
+    _fill(folder, gpu_wheels)
+    for extra in ("msgpack-1.2.3", "numpy-2.4.6", "cffi-2.1.1-cp311"):
+        next(folder.glob(f"{extra}-*.whl")).unlink()
+    assert gpu_wheels.check_folder(folder) == []
+    assert "more than the 0 MiB allowed" in gpu_wheels.check_folder(folder, limit_mib=0.001)[0]
+    assert "exceed 62 MiB" in gpu_wheels.check_folder(folder, tree_bytes=63 * 2**20)[0]
+
+
+def test_wheel_tags_for_the_gpu_machine():
+    ok = load_script("gpu_wheels").installable_on_target
+    assert ok("deepspeed-0.19.8-py3-none-any.whl")
+    assert ok("pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl")
+    assert ok("cryptography-46.0.0-cp311-abi3-manylinux_2_28_x86_64.whl")  # the stable ABI of an older 3.x
+    assert not ok("pydantic_core-2.50.5-cp311-cp311-manylinux_2_17_x86_64.whl")
+    assert not ok("msgpack-1.2.4-cp312-cp312-manylinux_2_17_aarch64.whl")
+    assert not ok("msgpack-1.2.4-cp312-cp312-win_amd64.whl")
+
+
+def test_download_command_asks_for_cpython_312_manylinux_binaries_only(tmp_path):
+    gpu_wheels = load_script("gpu_wheels")
+    downloads = [d for d in gpu_wheels.DISTS if d.how == "download"]
+    cmd = gpu_wheels.download_command(downloads, tmp_path, python="python")
+    assert cmd[:4] == ["python", "-m", "pip", "download"]
+    assert "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("--implementation") + 1] == "cp"
+    assert "manylinux2014_x86_64" in cmd and "manylinux_2_28_x86_64" in cmd
+    assert cmd[cmd.index("-d") + 1] == str(tmp_path)
+    assert set(cmd[cmd.index("-d") + 2:]) == {d.requirement for d in downloads}
+    assert {"pydantic==2.14.4", "pydantic-core==2.50.5", "hjson==3.1.0", "cffi==2.1.1"} <= set(cmd)
+    # DeepSpeed is built here (pure Python, no ops), with this interpreter's torch.
+    build = gpu_wheels.build_command(next(d for d in gpu_wheels.DISTS if d.name == "deepspeed"), tmp_path, "python")
+    assert "--no-build-isolation" in build and build[-1] == "deepspeed==0.19.8"
