@@ -857,19 +857,31 @@ class GpuCheck(Check):
         if px["syncs_per_step"] is None:
             return Outcome(text + "; syncs not counted on the CPU", figures)
         # The CUDA-only half: one more item from the same launch.
-        excess = px["syncs_per_step"] - (plain["syncs_per_step"] if plain is not None else 0.0)
-        sync_fig = {"parallelx_syncs_per_step": px["syncs_per_step"],
-                    "plain_syncs_per_step": plain["syncs_per_step"] if plain is not None else None,
-                    "other_ranks_max": max((r["loops"]["parallelx"]["syncs_per_step"] for r in reports[1:]),
-                                           default=None)}
-        status = PASSED if excess < SYNC_EXCESS_LIMIT else FAILED
-        plain_txt = f"{plain['syncs_per_step']:.2f}" if plain is not None else "n/a"
-        detail = (f"parallelx's loop {px['syncs_per_step']:.2f} syncs/step on the main rank, plain {plain_txt}; "
-                  f"expected about 0.1 (the progress bar reads the loss every 10th step) and less than "
-                  f"{SYNC_EXCESS_LIMIT} above the plain loop")
-        self.record(Item("host-sync", f"synchronisations per step on {backend}", status, detail, sync_fig,
-                         needs="cuda", log=res.output() if status == FAILED else None))
+        item = sync_item(backend, reports)
+        item.log = res.output() if item.status == FAILED else None
+        self.record(item)
         return Outcome(text, figures)
+
+
+def sync_item(backend: str, reports: Sequence[dict[str, Any]]) -> Item:
+    """The verdict on the synchronisations counted per training step: the
+    main rank's (the one whose progress bar reads the loss) parallelx loop
+    may exceed the plain framework's own loop by less than
+    :data:`SYNC_EXCESS_LIMIT` (a framework that synchronises every step by
+    itself is not parallelx's doing)."""
+    loops = reports[0]["loops"]
+    px = loops["parallelx"]["syncs_per_step"]
+    plain = loops["plain"]["syncs_per_step"] if "plain" in loops else None
+    excess = px - (plain or 0.0)
+    figures = {"parallelx_syncs_per_step": px, "plain_syncs_per_step": plain,
+               "other_ranks_max": max((r["loops"]["parallelx"]["syncs_per_step"] for r in reports[1:]), default=None)}
+    plain_txt = "no plain loop" if plain is None else f"plain {plain:.2f}"
+    detail = (f"parallelx's loop {px:.2f} syncs/step on the main rank, {plain_txt}; expected about 0.1 (the progress "
+              f"bar reads the loss every 10th step) and less than {SYNC_EXCESS_LIMIT} above the plain loop")
+    if excess >= SYNC_EXCESS_LIMIT:
+        detail += ": something in parallelx's step or loop waits for the GPU (.item(), .cpu(), bool() of a tensor)"
+    status = PASSED if excess < SYNC_EXCESS_LIMIT else FAILED
+    return Item("host-sync", f"synchronisations per step on {backend}", status, detail, figures, needs="cuda")
 
 
 class _NoLauncher:

@@ -41,7 +41,8 @@ mkdir -p "$OUT_DIR"
 : >"$STEPS"
 
 # step NAME TIMEOUT_S DESCRIPTION CMD...: run CMD with its output in the
-# install log; record NAME, its exit status, seconds and a detail for the report.
+# install log; record NAME, its exit status, seconds and a detail for the report
+# (DESCRIPTION, or CMD's last line of output when DESCRIPTION is empty or CMD failed).
 step() {
     local name=$1 limit=$2 desc=$3
     shift 3
@@ -52,7 +53,7 @@ step() {
     rc=$?
     ms=$(( ($(date +%s%N) - t0) / 1000000 ))
     detail=$desc
-    if [ "$rc" -ne 0 ]; then
+    if [ "$rc" -ne 0 ] || [ -z "$desc" ]; then
         detail=$(grep -v '^\s*$' "$LOG" | tail -n 1 | tr '\t' ' ' | cut -c1-300)
         [ "$rc" -eq 124 ] && detail="timed out after ${limit}s: $detail"
     fi
@@ -80,7 +81,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
 # From the scratch folder: `python -c` puts the current folder first, and the checkout's own
 # parallelx/ would shadow the installed one.
-step "parallelx importable" 60 "from $SITE" bash -c 'cd "$1" && "$2" -c "$3"' _ "$WORK" "$PY" \
+step "parallelx importable" 60 "" bash -c 'cd "$1" && "$2" -c "$3"' _ "$WORK" "$PY" \
     "import parallelx; print('parallelx', parallelx.__version__, 'at', parallelx.__file__)"
 
 args=(--deadline "$DEADLINE" --out "$OUT_DIR" --work "$WORK" --site "$SITE" --install-steps "$STEPS")

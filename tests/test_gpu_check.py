@@ -161,6 +161,23 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
     assert "**Result: FAILED**" in report and "RuntimeError: boom" in report and "the launch's output" in report
 
 
+def test_synchronisations_per_step_verdict():
+    """Judged on the counts the CUDA worker reports (per rank; the main rank's first)."""
+    item = load_script("gpu_check").sync_item
+
+    def reports(px: float, plain: float | None, other: float = 0.0) -> list[dict]:
+        loops = {"parallelx": {"syncs_per_step": px}} | ({} if plain is None else {"plain": {"syncs_per_step": plain}})
+        return [{"loops": loops}, {"loops": {"parallelx": {"syncs_per_step": other}}}]
+
+    ok = item("ddp", reports(0.1, 0.0))
+    assert ok.status == "passed" and ok.needs == "cuda" and ok.figures["other_ranks_max"] == 0.0
+    assert item("single", reports(0.1, None)).status == "passed"
+    every_step = item("ddp", reports(1.1, 0.0))
+    assert every_step.status == "failed" and ".item()" in every_step.detail
+    # A framework that waits for the GPU every step by itself is not parallelx's doing.
+    assert item("deepspeed", reports(1.1, 1.0)).status == "passed"
+
+
 def test_precisions_follow_what_parallelx_offers():
     """bf16-mixed is skipped while parallelx has no such option; once it has
     one, this fails until the check's one-line PRECISIONS entry passes it."""
