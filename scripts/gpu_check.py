@@ -1120,7 +1120,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="CPU mode: everything except what needs CUDA (CI runs this)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu-report"),
                         help="where report.md and summary.json go (default $OUT, else gpu-report/)")
-    parser.add_argument("--work", default=None, help="scratch folder for data, runs and logs (default: a new temp dir)")
+    parser.add_argument("--work", default=None,
+                        help="scratch folder for data, runs and logs, kept afterwards (default: a temporary one, "
+                             "removed at the end)")
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"Unix time by which to finish (default: {BUDGET_S:.0f}s from now)")
     parser.add_argument("--nproc", type=int, default=None,
@@ -1197,6 +1199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if check.horovod_build is not None and check.horovod_build.poll() is None:
             _kill_group(check.horovod_build)
         check.write()
+        if args.work is None:  # our own temporary folder: runs hold 0.5 GB VGG16 checkpoints
+            shutil.rmtree(check.work, ignore_errors=True)
     summary = check.summary()
     c = summary["counts"]
     print(f"[gpu-check] {summary['result'].upper()}: {c[PASSED]} passed, {c[FAILED]} failed, {c[SKIPPED]} skipped "

@@ -18,7 +18,8 @@
 # interpreter; PYTHONPATH reaches every process the launchers start.
 #
 # Settings: PYTHON (python3), GPU_WHEELS (gpu-wheels), GPU_SITE (gpu-site),
-# GPU_CHECK_BUDGET_S (480: the whole run, installation included).
+# GPU_CHECK_BUDGET_S (480: the whole run, installation included),
+# GPU_CHECK_KEEP_WORK=1 (keep the scratch folder: data, runs, logs).
 # Exit status: gpu_check.py's (0 when every check that ran passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,5 +95,7 @@ rc=$?
 
 # Every launch's output, in one file (the device tool brings back a few files only).
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" logs 2>/dev/null || echo "[gpu-check] could not pack $WORK/logs" >&2
+# The runs hold 0.5 GB VGG16 checkpoints; GPU_CHECK_KEEP_WORK=1 keeps them.
+[ "${GPU_CHECK_KEEP_WORK:-0}" = 1 ] && echo "[gpu-check] kept $WORK" || rm -rf "$WORK"
 echo "[gpu-check] done in $(( $(date +%s) - START ))s with exit status $rc; report: $OUT_DIR/report.md"
 exit "$rc"
