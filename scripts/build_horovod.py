@@ -101,6 +101,9 @@ def build(dest: Path, gpu: bool) -> Path:
             HOROVOD_WITHOUT_MXNET="1",
             MAKEFLAGS=env.get("MAKEFLAGS", f"-j{os.cpu_count() or 2}"),
         )
+        # CMake 4 refuses the bundled gloo's cmake_minimum_required(2.8.12) unless told
+        # the oldest policy version to emulate; CMake 3 ignores the variable.
+        env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
         if gpu:
             env.setdefault("HOROVOD_GPU_OPERATIONS", "NCCL")
         wheel_dir = tmp_path / "wheel"
