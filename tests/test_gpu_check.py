@@ -1,6 +1,7 @@
-"""The GPU check (``scripts/gpu_check.py``) in its CPU dry run, so that it
-cannot rot between the rare runs on a GPU machine; the carried-wheels folder
-logic of ``scripts/gpu_wheels.py`` without downloading; ``gpu_check.sh``'s syntax.
+"""The GPU check (``scripts/gpu_check.py``, which runs the ``scripts/gpu_check/``
+package) in its CPU dry run, so that it cannot rot between the rare runs on a
+GPU machine; the carried-wheels folder logic of ``scripts/gpu_wheels.py``
+without downloading; ``gpu_check.sh``'s syntax.
 
     python -m pytest tests/test_gpu_check.py
 """
@@ -32,10 +33,19 @@ CUDA_ONLY = (
 
 
 def load_script(name: str) -> ModuleType:
-    """A module of ``scripts/`` (not a package), imported by path."""
+    """A module of ``scripts/`` (not an installed package), imported by path:
+    ``gpu_wheels``, or ``gpu_check.report`` of the ``scripts/gpu_check/`` package."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    if "." in name:
+        load_script(name.split(".")[0])
+        return importlib.import_module(name)
+    path = ROOT / "scripts" / name
+    if path.is_dir():
+        spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
+                                                      submodule_search_locations=[str(path)])
+    else:
+        spec = importlib.util.spec_from_file_location(name, path.with_suffix(".py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
@@ -130,23 +140,24 @@ def test_cuda_only_checks_are_listed_as_skipped(dry_run):
 # -------------------------------------------------- the check's machinery
 
 def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
-    gpu_check = load_script("gpu_check")
-    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", deadline=1e12, settings=gpu_check.DRY_RUN, nproc=2)
+    machinery = load_script("gpu_check.check")
+    check = machinery.Check(tmp_path / "out", tmp_path / "work", deadline=1e12,
+                            settings=load_script("gpu_check.settings").DRY_RUN, nproc=2)
 
-    def broken() -> gpu_check.Outcome:
+    def broken() -> machinery.Outcome:
         raise RuntimeError("boom")
 
-    def skipped() -> gpu_check.Outcome:
-        raise gpu_check.Skip("not here")
+    def skipped() -> machinery.Outcome:
+        raise machinery.Skip("not here")
 
-    def failed() -> gpu_check.Outcome:
-        raise gpu_check.Fail("expected 1, got 2", log="the launch's output")
+    def failed() -> machinery.Outcome:
+        raise machinery.Fail("expected 1, got 2", log="the launch's output")
 
     check.step("recipes", "broken", broken)
     check.step("recipes", "skipped", skipped)
     check.step("recipes", "failed", failed)
-    check.step("recipes", "fine", lambda: gpu_check.Outcome("ok", {"x": 1.0}))
-    check.step("throughput", "too long", lambda: gpu_check.Outcome("never"), need_s=2e12)
+    check.step("recipes", "fine", lambda: machinery.Outcome("ok", {"x": 1.0}))
+    check.step("throughput", "too long", lambda: machinery.Outcome("never"), need_s=2e12)
     status = {i.name: (i.status, i.detail) for i in check.items}
     assert status["broken"] == ("failed", "RuntimeError: boom")
     assert status["skipped"] == ("skipped", "not here")
@@ -163,7 +174,7 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
 
 def test_synchronisations_per_step_verdict():
     """Judged on the counts the CUDA worker reports (per rank; the main rank's first)."""
-    item = load_script("gpu_check").sync_item
+    item = load_script("gpu_check.sections.host_sync").sync_item
 
     def reports(px: float, plain: float | None, other: float = 0.0) -> list[dict]:
         loops = {"parallelx": {"syncs_per_step": px}} | ({} if plain is None else {"plain": {"syncs_per_step": plain}})
@@ -181,10 +192,11 @@ def test_synchronisations_per_step_verdict():
 def test_precisions_follow_what_parallelx_offers():
     """bf16-mixed is skipped while parallelx has no such option; once it has
     one, this fails until the check's one-line PRECISIONS entry passes it."""
-    gpu_check = load_script("gpu_check")
-    assert gpu_check.PRECISIONS["fp32"] == ()
-    assert (gpu_check.PRECISIONS["bf16-mixed"] is None) == (not gpu_check.parallelx_offers("bf16-mixed"))
-    assert "does not exist yet" in gpu_check.precision_missing_reason("bf16-mixed")
+    precisions = load_script("gpu_check.settings").PRECISIONS
+    throughput = load_script("gpu_check.sections.throughput")
+    assert precisions["fp32"] == ()
+    assert (precisions["bf16-mixed"] is None) == (not throughput.parallelx_offers("bf16-mixed"))
+    assert "does not exist yet" in throughput.precision_missing_reason("bf16-mixed")
 
 
 def test_gpu_check_sh_parses():
