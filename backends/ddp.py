@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from parallelx.launch import Launcher, free_port
 from parallelx.log import warn
 from parallelx.process_group import ProcessGroupBackend
+from parallelx.utils import has_batchnorm
 
 TORCHRUN = Launcher(
     name="torchrun",
@@ -59,7 +60,7 @@ class DDPBackend(ProcessGroupBackend):
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if self.world_size > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        if self.world_size > 1 and has_batchnorm(model):
             warn("ddp: BatchNorm layers normalise with each process's own batch statistics (rank 0's running "
                  "statistics are kept); convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm for "
                  "global-batch statistics")

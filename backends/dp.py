@@ -19,10 +19,7 @@ from torch import nn
 
 from parallelx.local import LocalBackend
 from parallelx.log import warn
-
-
-def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+from parallelx.utils import has_batchnorm
 
 
 class DataParallelBackend(LocalBackend):

@@ -22,3 +22,9 @@ def threads_per_process(local_world_size: int) -> int:
     that together they do not oversubscribe the cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    """True when ``model`` has a BatchNorm layer: its statistics are where data
+    parallelism differs from one device on the whole batch."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
