@@ -71,6 +71,29 @@ def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float
     return Result(proc.returncode, out, time.monotonic() - start)
 
 
+def run_with_grace(cmd: list[str], *, timeout: float, grace: float, what: str,
+                   env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a program that drives launches of its own (a benchmark, the GPU
+    check) and return ``(exit status, output)``.  Past ``timeout`` it gets
+    SIGTERM first, so that it can take down the launch it is running and write
+    what it has; past ``grace`` more its whole process group is killed, and
+    the test fails with the output's tail."""
+    full_env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"{what} ran past {timeout:.0f}s:\n{output[-4000:]}")
+    return proc.returncode, output
+
+
 def require_launcher(launcher: str) -> None:
     """Skip only when the launcher is genuinely not installed (never in CI,
     whose set-up installs all of them)."""

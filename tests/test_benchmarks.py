@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
-from launching import ROOT
+from launching import run_with_grace
 
 from benchmarks.launch import unavailable
 
@@ -39,21 +37,9 @@ def smoke(tmp_path_factory):
     parts = "ddp,horovod,deepspeed,accelerate,scaling,loader"
     cmd = [sys.executable, "-m", "benchmarks.run", "--mode", "smoke", "--control", "--only", parts,
            "--out-dir", str(out / "results"), "--raw", str(out / "raw.json"), "--work-dir", str(out / "work")]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the orchestrator then kills the launch it is running.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"benchmarks.run --mode smoke ran past {RUN_TIMEOUT_S}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"benchmarks.run --mode smoke exited {proc.returncode}:\n{output[-6000:]}"
+    # 15 s of grace: the orchestrator then kills the launch it is running.
+    rc, output = run_with_grace(cmd, timeout=RUN_TIMEOUT_S, grace=15, what="benchmarks.run --mode smoke")
+    assert rc == 0, f"benchmarks.run --mode smoke exited {rc}:\n{output[-6000:]}"
     return out / "results", json.loads((out / "raw.json").read_text())
 
 

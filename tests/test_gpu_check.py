@@ -11,14 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from launching import ROOT
+from launching import ROOT, run_with_grace
 
 DRY_RUN_TIMEOUT_S = 360
 #: What only a GPU machine can check: the dry run must list each as skipped.
@@ -67,20 +66,9 @@ def dry_run(tmp_path_factory):
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp / "out"),
            "--work", str(tmp / "work")]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=DRY_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the check then kills the launch it is running and writes its report.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"gpu_check.py --dry-run ran past {DRY_RUN_TIMEOUT_S}s:\n{output[-4000:]}")
-    return proc.returncode, output, tmp / "out"
+    # 20 s of grace: the check then kills the launch it is running and writes its report.
+    rc, output = run_with_grace(cmd, timeout=DRY_RUN_TIMEOUT_S, grace=20, what="gpu_check.py --dry-run", env=env)
+    return rc, output, tmp / "out"
 
 
 @pytest.mark.launcher
