@@ -11,6 +11,11 @@ rest: see :func:`parallelx.metrics.real_mask`.
 It also advances its epoch by itself: every new iteration uses the next
 epoch's shuffle, so a forgotten ``set_epoch`` cannot repeat the same order.
 ``set_epoch`` still works and wins when called.
+
+It remembers the order of its latest pass (:meth:`ShardedSampler.last_order`),
+so that rows produced over that pass on every rank can be put back in dataset
+order (:meth:`ShardedSampler.dataset_index`, used by
+``Backend.gather_in_order``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class ShardedSampler(Sampler[int]):
         self.epoch = 0
         #: Number of passes begun (iterations started); never reset, unlike ``epoch``.
         self.passes = 0
+        #: The epoch whose order the latest pass used (None before the first pass).
+        self.last_epoch: int | None = None
         if drop_last:
             self.num_samples = self.dataset_size // num_replicas
             if self.num_samples == 0:
@@ -96,8 +103,34 @@ class ShardedSampler(Sampler[int]):
             order += (order * math.ceil(pad / len(order)))[:pad]
         return order[: self.total_size]
 
+    def last_order(self) -> list[int]:
+        """The padded global index list of the latest pass (what :meth:`global_order`
+        gave for the epoch that pass used)."""
+        if self.last_epoch is None:
+            raise ParallelxError("this sampler has not been iterated yet: the order of a pass is known once "
+                                 "a loader built on it has started that pass")
+        return self.global_order(self.last_epoch)
+
+    def dataset_index(self) -> torch.Tensor:
+        """Where each sample's row is among the rows of the latest pass gathered
+        from all ranks in rank order (rank 0's whole shard, then rank 1's, ...):
+        ``gathered[sampler.dataset_index()]`` has row ``i`` = sample ``i``, the
+        padding duplicates left out."""
+        if self.total_size < self.dataset_size:
+            raise ParallelxError(f"drop_last=True leaves {self.dataset_size - self.total_size} of the "
+                                 f"{self.dataset_size} samples out of every pass, so there is no row for them; "
+                                 "build the sampler with drop_last=False to gather in dataset order")
+        order = torch.tensor(self.last_order()[: self.dataset_size], dtype=torch.int64)
+        # Position p of the padded order is row p // W of rank p % W's shard.
+        position = torch.arange(self.dataset_size, dtype=torch.int64)
+        rows = (position % self.num_replicas) * self.num_samples + position // self.num_replicas
+        index = torch.empty(self.dataset_size, dtype=torch.int64)
+        index[order] = rows  # positions below dataset_size hold every sample exactly once
+        return index
+
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
+        self.last_epoch = epoch
         self.passes += 1
         self.epoch += 1  # the next iteration is the next epoch, set_epoch or not
         return iter(self.global_order(epoch)[self.rank : self.total_size : self.num_replicas])

@@ -1,0 +1,98 @@
+"""Gathering and synchronised BatchNorm under the real launchers, 2 processes
+each, on the CPU: one launch per launcher runs every check
+(``tests/gather_worker.py``); the tests below read what each rank reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launching import launch, require_launcher
+
+CASES = {
+    "ddp-torchrun": ("torchrun", "ddp", []),
+    "horovod-horovodrun": ("horovodrun", "horovod", []),
+    # ZeRO-3 partitions the parameters: the converted BatchNorm must still see whole ones.
+    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
+}
+DATASET_SIZE = 23
+# Float32 results against one process; the statistics are summed in float64.
+TOL = 1e-6
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def job(request, tmp_path_factory):
+    launcher, backend, extra = CASES[request.param]
+    require_launcher(launcher)
+    out = tmp_path_factory.mktemp(request.param)
+    res = launch(launcher, ["tests/gather_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
+    assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [rep["world_size"] for rep in reports] == [2, 2]
+    return reports
+
+
+def test_uneven_first_dims_concatenate_in_rank_order(job):
+    for rep in job:
+        g = rep["gather"]
+        assert g["uneven"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert g["scalar"] == [10, 11]
+        assert g["bool"] == [True, True, False, True]
+        assert g["some_empty"] == [2, 3]
+
+
+def test_mismatched_dtype_or_shape_is_one_clear_error_on_every_rank(job):
+    for rep in job:
+        g = rep["gather"]
+        assert g["dtype_error"] is not None and "same dtype" in g["dtype_error"]
+        assert "rank 0: [2] torch.float32" in g["dtype_error"] and "rank 1: [2] torch.float64" in g["dtype_error"]
+        assert g["shape_error"] is not None and "rank 0: [2, 3]" in g["shape_error"]
+        assert "rank 1: [2, 4]" in g["shape_error"]
+
+
+def test_objects_one_per_rank(job):
+    for rep in job:
+        objects = rep["gather"]["objects"]
+        assert [o["rank"] for o in objects] == [0, 1]
+        assert [len(o["text"]) for o in objects] == [1, 101]
+        assert [o["tuple"] for o in objects] == [[0, None], [1, None]]  # JSON made the tuples lists
+
+
+def test_gather_in_order_is_dataset_order_without_padding(job):
+    shards = [rep["gather"]["shard_values"] for rep in job]
+    assert job[0]["gather"]["sampler_padding"] == 1
+    # The pass was shuffled (else this test would not test the order) and padded.
+    assert sorted(shards[0] + shards[1]) != shards[0] + shards[1]
+    assert len(shards[0] + shards[1]) == DATASET_SIZE + 1
+    expected = [[float(i), 2.0 * i] for i in range(DATASET_SIZE)]
+    for rep in job:
+        assert rep["gather"]["in_order"] == expected
+
+
+def test_gather_in_order_misuse_errors(job):
+    for rep in job:
+        g = rep["gather"]
+        assert g["partial_error"] is not None and "gave [12, 11] rows" in g["partial_error"]
+        assert g["sampler_error"] is not None and "ShardedSampler" in g["sampler_error"]
+        assert "DistributedSampler" in g["sampler_error"] and "make_sampler" in g["sampler_error"]
+
+
+def test_sync_batchnorm_on_cpu_matches_one_process(job):
+    for rep in job:
+        bn = rep["batchnorm"]
+        assert "error" not in bn, bn.get("error")
+        assert "SyncBatchNorm" in bn["converted"] and "BatchNorm2d" not in bn["converted"]
+        assert bn["state_keys_same"]
+        assert bn["out_err"] < TOL
+        assert bn["grad_x_err"] < TOL
+        assert bn["grad_param_rel_err"] < TOL
+        assert bn["running_err"] < TOL
+        assert bn["eval_err"] < TOL
+
+
+def test_converted_model_steps_under_the_backends_wrapper(job):
+    for rep in job:
+        assert rep["batchnorm"]["wrapped_step_ok"]
+        assert rep["batchnorm"]["wrapped_state_spread"] == 0.0
