@@ -1,0 +1,296 @@
+"""Training-state checkpoints in one process: exact resume, the files, crashes,
+damaged and mismatched checkpoints, pruning, and the sampler's position
+across world sizes (ranks simulated with ShardedSampler(num_replicas, rank))."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from trainstate_worker import DATASET_SIZE, Run, max_diff
+
+import parallelx
+from parallelx import MetricSums, ParallelxError, ShardedSampler
+from parallelx.trainstate import latest_checkpoint, load_training_state, save_training_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def backend():
+    with parallelx.get_backend("single") as b:
+        yield b
+
+
+def _continued(backend, optim: str, tmp_path: Path, save_at: int, more: int):
+    a = Run(backend, optim)
+    a.train(save_at)
+    path = a.save(tmp_path)
+    a.mark = len(a.seen)
+    a.train(more)
+    after_a = (random.random(), float(np.random.rand()), torch.rand(3))
+    b = Run(backend, optim, init_seed=99)
+    info = b.load(path)
+    b.train(more)
+    after_b = (random.random(), float(np.random.rand()), torch.rand(3))
+    return a, b, after_a, after_b, info, path
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("save_at", [3, 8])  # mid-epoch, and at the end of one (8 batches per epoch)
+def test_resume_is_bitwise_exact(backend, tmp_path, optim, save_at):
+    a, b, after_a, after_b, info, path = _continued(backend, optim, tmp_path, save_at, 5)
+    wa, wb = a.weights(), b.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resuming"
+    assert after_a[:2] == after_b[:2] and torch.equal(after_a[2], after_b[2]), "RNG did not continue identically"
+    assert a.seen[a.mark:] == b.seen, "the resumed run trained on other samples"
+    assert a.counters == b.counters and info["counters"]["global_step"] == save_at
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert info["loader_seed"] == 1 and info["meta"]["backend"] == "single" and info["meta"]["world_size"] == 1
+
+
+def test_every_file_loads_weights_only(backend, tmp_path):
+    a = Run(backend, "adamw")
+    a.train(3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    path = save_training_state(backend, tmp_path, step=3, model=a.model, optimizer=a.optimizer, scheduler=a.scheduler,
+                               scaler=scaler, sampler=a.sampler, counters=a.counters)
+    assert path == tmp_path / "checkpoints" / "step-00000003"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    files = sorted(p.name for p in path.iterdir())
+    assert files == ["rng-rank0.pt", "state.pt"]
+    for f in path.iterdir():
+        torch.load(f, weights_only=True)
+    state = torch.load(path / "state.pt", weights_only=True)
+    opt = state["optimizer"]
+    names = [n for n, _ in a.model.named_parameters()]
+    assert list(opt["state"]) == names and opt["param_groups"][0]["params"] == names
+    assert set(opt["state"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["sampler"] == {"seed": 1, "epoch": 0, "consumed": 9, "dataset_size": DATASET_SIZE, "shuffle": True}
+    assert state["meta"]["optimizer"] == "AdamW" and state["meta"]["format"] == 1
+    other = torch.amp.GradScaler("cpu", init_scale=4.0)
+    b = Run(backend, "adamw")
+    load_training_state(backend, path, model=b.model, optimizer=b.optimizer, scaler=other)
+    assert other.state_dict() == scaler.state_dict()
+
+
+def test_keep_prunes_oldest_after_the_new_one_is_complete(backend, tmp_path):
+    a = Run(backend, "sgd")
+    for step in range(1, 6):
+        a.train(1)
+        a.save(tmp_path, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004", "step-00000005"]
+    assert latest_checkpoint(tmp_path) == root / "step-00000005"
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+    a.save(tmp_path, keep=2)  # the same step again: replaced whole
+    assert latest_checkpoint(tmp_path) == root / "step-00000005"
+
+
+def test_leftovers_of_a_crashed_write_are_ignored(backend, tmp_path):
+    a = Run(backend, "sgd")
+    a.train(2)
+    good = a.save(tmp_path)
+    root = tmp_path / "checkpoints"
+    # A write that died half-way: a hidden directory with a truncated state.
+    torn = root / ".tmp-step-00000009-abc"
+    torn.mkdir()
+    (torn / "state.pt").write_bytes((good / "state.pt").read_bytes()[:100])
+    assert latest_checkpoint(tmp_path) == good
+    (root / "latest").unlink()  # even without the pointer, only complete ones count
+    assert latest_checkpoint(tmp_path) == good
+    a.train(1)
+    a.save(tmp_path)
+    assert not torn.exists(), "leftovers are removed after the next complete save"
+
+
+CRASH_SCRIPT = """
+import sys, torch, parallelx
+sys.path.insert(0, 'tests')
+from trainstate_worker import Run
+with parallelx.get_backend('single') as backend:
+    run = Run(backend, 'adamw', hidden=600)
+    print('ready', flush=True)
+    while True:
+        run.train(1)
+        run.save(sys.argv[1], keep=2)
+"""
+
+
+def test_sigkill_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
+    rng = random.Random(0)
+    loads = 0
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(0.3 + rng.random())
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        path = latest_checkpoint(tmp_path)
+        if path is None:
+            continue
+        for f in path.iterdir():
+            torch.load(f, weights_only=True)  # complete: every file reads
+        with parallelx.get_backend("single") as backend:
+            run = Run(backend, "adamw", hidden=600)
+            run.load(path)
+        loads += 1
+    assert loads >= 2, "the writer was killed before any checkpoint was complete; give it more time"
+
+
+def _one_line_error(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg, f"not one line: {msg!r}"
+    return msg
+
+
+def test_damaged_checkpoints_fail_with_one_line(backend, tmp_path):
+    a = Run(backend, "sgd")
+    a.train(2)
+    path = a.save(tmp_path)
+    state = path / "state.pt"
+    data = state.read_bytes()
+    state.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "sgd").load(path)
+    assert "cannot be read" in _one_line_error(exc)
+    state.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "sgd").load(path)
+    _one_line_error(exc)
+    state.write_bytes(data)
+    (path / "rng-rank0.pt").write_bytes(b"\0" * 10)
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "sgd").load(path)
+    assert "rng-rank0.pt" in _one_line_error(exc)
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "sgd").load(tmp_path)
+    assert "latest_checkpoint" in _one_line_error(exc)
+
+
+def test_other_model_or_optimizer_fails_with_one_line(backend, tmp_path):
+    a = Run(backend, "sgd")
+    a.train(2)
+    path = a.save(tmp_path)
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "sgd", hidden=12).load(path)  # same names, other shapes
+    assert "does not fit this model" in _one_line_error(exc)
+    other = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(ParallelxError) as exc:
+        load_training_state(backend, path, model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    assert "another model" in _one_line_error(exc)
+    with pytest.raises(ParallelxError) as exc:
+        Run(backend, "adamw").load(path)
+    assert "SGD" in _one_line_error(exc) and "AdamW" in str(exc.value)
+
+
+def test_bad_arguments(backend, tmp_path):
+    a = Run(backend, "sgd")
+    with pytest.raises(ParallelxError, match="counters"):
+        save_training_state(backend, tmp_path, step=1, model=a.model, optimizer=a.optimizer, counters={"epoch": 1.5})
+    with pytest.raises(ParallelxError, match="keep"):
+        save_training_state(backend, tmp_path, step=1, model=a.model, optimizer=a.optimizer, counters={}, keep=0)
+    with pytest.raises(ParallelxError) as exc:  # a function in the state: not storable
+        save_training_state(backend, tmp_path, step=1, model=a.model, optimizer=a.optimizer, counters={},
+                            scheduler=type("S", (), {"state_dict": lambda self: {"f": print}})())
+    assert "weights_only" in _one_line_error(exc)
+    assert latest_checkpoint(tmp_path) is None and not list((tmp_path / "checkpoints").iterdir())
+
+
+# ----------------------------------------------------------------- sampler
+def _consume(samplers: list[ShardedSampler], per_rank: int) -> tuple[list[int], list]:
+    """Every rank draws ``per_rank`` indices of a new pass; returns them and the iterators."""
+    its = [iter(s) for s in samplers]
+    return [next(it) for it in its for _ in range(per_rank)], its
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 2), (3, 2), (2, 4)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_sampler_resumes_across_world_sizes(before, after, shuffle):
+    n, per_rank = DATASET_SIZE, 4
+    old = [ShardedSampler(range(n), num_replicas=before, rank=r, shuffle=shuffle, seed=3) for r in range(before)]
+    old[0].set_epoch(2)
+    for s in old[1:]:
+        s.set_epoch(2)
+    done, _ = _consume(old, per_rank)
+    state = old[0].state_dict()
+    assert state["epoch"] == 2 and state["consumed"] == per_rank * before
+    new = [ShardedSampler(range(n), num_replicas=after, rank=r, shuffle=shuffle, seed=0) for r in range(after)]
+    rest, lengths = [], set()
+    for s in new:
+        s.load_state_dict(state)
+        lengths.add(len(s))
+        shard, sums = list(s), MetricSums(s)
+        assert len(shard) in lengths
+        rest += shard[: s.num_real]
+        assert not s.real_mask(0, len(s))[s.num_real:].any()
+        sums.update(torch.zeros(len(shard)), torch.ones(len(shard), dtype=torch.bool))
+        assert sums.compute()["count"] == s.num_real
+    assert len(lengths) == 1, "ranks must get equal lengths"
+    assert sorted(done + rest) == list(range(n)), "every sample of the interrupted epoch exactly once"
+    for s in new:  # the pass after is a whole epoch again
+        assert s.state_dict()["epoch"] == 3 and len(list(s)) == len(s) == -(-n // after)
+        assert s.num_real == len(range(s.rank, n, after))
+
+
+def test_sampler_resume_at_same_world_size_repeats_the_uninterrupted_pass():
+    n, w = DATASET_SIZE, 2
+    full = [list(ShardedSampler(range(n), num_replicas=w, rank=r, seed=4)) for r in range(w)]
+    old = [ShardedSampler(range(n), num_replicas=w, rank=r, seed=4) for r in range(w)]
+    _consume(old, 5)
+    for r in range(w):
+        s = ShardedSampler(range(n), num_replicas=w, rank=r, seed=4)
+        s.load_state_dict(old[0].state_dict())
+        assert list(s) == full[r][5:]
+
+
+def test_sampler_state_edge_cases():
+    s = ShardedSampler(range(10), num_replicas=2, rank=0, seed=1)
+    assert s.state_dict() == {"seed": 1, "epoch": 0, "consumed": 0, "dataset_size": 10, "shuffle": True}
+    list(s)  # a whole pass: the state is the start of the next epoch
+    assert s.state_dict()["epoch"] == 1 and s.state_dict()["consumed"] == 0
+    it = iter(s)
+    next(it), next(it), next(it)  # drawn ahead of training (a prefetching loader)
+    assert s.state_dict(consumed=1)["consumed"] == 2 and s.state_dict()["consumed"] == 6
+    with pytest.raises(ParallelxError):
+        s.state_dict(consumed=6)
+    t = ShardedSampler(range(10), num_replicas=1, seed=1)
+    t.load_state_dict(s.state_dict(consumed=1))
+    assert t.state_dict()["consumed"] == 2, "loaded but not iterated: the state is unchanged"
+    with pytest.raises(ParallelxError, match="dataset of 10"):
+        ShardedSampler(range(11), seed=1).load_state_dict(s.state_dict())
+    t.set_epoch(5)  # another epoch than the one being resumed: taken whole
+    assert len(list(t)) == 10
+
+
+def test_named_optimizer_state_round_trip(backend):
+    a = Run(backend, "sgd")
+    a.train(2)
+    named = backend.named_optimizer_state(a.model, a.optimizer)
+    b = Run(backend, "sgd", init_seed=5)
+    backend.load_named_optimizer_state(b.model, b.optimizer, named)
+    assert max_diff(b.optimizer.state_dict(), a.optimizer.state_dict()) == 0.0
+
+
+def test_sampler_length_after_a_resumed_pass_is_the_next_whole_pass():
+    s = ShardedSampler(range(10), num_replicas=2, rank=0, seed=1)
+    s.load_state_dict({"seed": 1, "epoch": 0, "consumed": 6, "dataset_size": 10, "shuffle": True})
+    assert len(s) == 2
+    it = iter(s)
+    next(it)
+    assert len(s) == 2 and s.num_real == 2
+    next(it)
+    assert len(s) == 5, "a loader asks len() before its next pass begins"
+    assert len(list(s)) == 5 and s.num_real == 5

@@ -1,0 +1,108 @@
+"""Training-state checkpoints under the real launchers, 2 processes each
+(``tests/trainstate_worker.py``, SGD with momentum and AdamW in every launch).
+
+Per backend: save after 3 steps and train 2 more (A), then reload into fresh
+objects and train 2 more (B): A == B bitwise.  The file's optimizer state is
+whole (keyed by name, nothing None) and, ZeRO-sharded or not, equal to the
+ddp run's within REL_TOL.  The ddp launch also loads the ZeRO-3 checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launching import launch, require_launcher
+from trainstate_worker import max_diff
+
+CASES = {
+    "deepspeed-zero1": ("deepspeed", "deepspeed", ["--zero-stage", "1"]),
+    "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
+    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
+    "ddp": ("torchrun", "ddp", []),
+    "horovod": ("horovodrun", "horovod", []),
+}
+OPTIMIZERS = ("sgd", "adamw")
+# Across backends only the order of float additions in the gradient average differs.
+REL_TOL = 1e-6
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+
+_done: dict[str, Path] = {}
+
+
+def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Launch one case once per session; the ddp case also loads ZeRO-3's checkpoint."""
+    if name not in _done:
+        launcher, backend, extra = CASES[name]
+        require_launcher(launcher)
+        if name == "ddp":
+            extra = [*extra, "--load-from", str(run_case("deepspeed-zero3", tmp_path_factory))]
+        out = tmp_path_factory.mktemp(name)
+        res = launch(launcher, ["tests/trainstate_worker.py", "--backend", backend, "--out", str(out), *extra],
+                     timeout=240)
+        assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
+        _done[name] = out
+    return _done[name]
+
+
+@pytest.fixture(params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory):
+    return request.param, run_case(request.param, tmp_path_factory)
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(max_diff(a[k], b[k]) / max(float(b[k].abs().max()), 1e-12) for k in b)
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_resume_is_bitwise_exact(case, optim):
+    name, out = case
+    r = torch.load(out / f"result-{optim}.pt", weights_only=True)
+    assert r["world_size"] == 2
+    assert max_diff(r["A"], r["B"]) == 0.0, f"{name}: weights after resuming differ from the uninterrupted run"
+    assert torch.equal(r["rng_A"], r["rng_B"]), f"{name}: the RNG did not continue identically"
+    assert r["counters_A"] == r["counters_B"]
+    assert r["loaded_model_diff"] == 0.0 and r["loaded_optimizer_diff"] == 0.0, "loaded state differs from the file"
+    assert r["engine_A"] == r["engine_B"] and r["engine_loaded"] == r["info"]["meta"]["step"] if r["engine_A"] \
+        is not None else True
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_optimizer_state_is_whole_and_matches_ddp(case, optim, tmp_path_factory):
+    name, out = case
+    state = torch.load(out / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
+    reference = torch.load(run_case("ddp", tmp_path_factory) / optim / "checkpoints" / "step-00000003" / "state.pt",
+                           weights_only=True)
+    opt, ref = state["optimizer"], reference["optimizer"]
+    names = list(state["model"])
+    assert sorted(opt["state"]) == sorted(names) and sorted(opt["param_groups"][0]["params"]) == sorted(names)
+    keys = {"sgd": {"momentum_buffer"}, "adamw": {"exp_avg", "exp_avg_sq", "step"}}[optim]
+    for n in names:
+        assert set(opt["state"][n]) == keys, f"{name}: state of {n} is {sorted(opt['state'][n])}"
+        for k in keys:
+            mine, theirs = opt["state"][n][k], ref["state"][n][k]
+            assert mine.shape == theirs.shape, f"{name}: {n}.{k} has shape {tuple(mine.shape)}"
+            err = max_diff(mine, theirs) / max(float(theirs.abs().max()), 1e-12)
+            assert err <= REL_TOL, f"{name}: {n}.{k} differs from ddp's by {err:.2e} (relative)"
+    assert _rel(state["model"], reference["model"]) <= REL_TOL
+    groups = [{k: v for k, v in g.items() if k in ("lr", "momentum", "weight_decay", "betas", "initial_lr")}
+              for g in opt["param_groups"]]
+    assert groups == [{k: v for k, v in g.items() if k in groups[0]} for g in ref["param_groups"]]
+    portable = torch.load(out / f"result-{optim}.pt", weights_only=True)["portable"]
+    assert portable is not None and len(portable["state"]) == len(names)  # backend.save's form: whole too
+    assert state["meta"]["world_size"] == 2 and state["meta"]["optimizer"] == {"sgd": "SGD", "adamw": "AdamW"}[optim]
+    files = sorted(p.name for p in (out / optim / "checkpoints" / "step-00000003").iterdir())
+    assert files == ["rng-rank0.pt", "rng-rank1.pt", "state.pt"]
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_zero3_checkpoint_loads_into_ddp(optim, tmp_path_factory):
+    out = run_case("ddp", tmp_path_factory)
+    cross = torch.load(out / f"cross-{optim}.pt", weights_only=True)
+    zero3 = torch.load(run_case("deepspeed-zero3", tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
+    assert cross["info"]["meta"]["backend"] == "deepspeed" and cross["info"]["meta"]["zero_stage"] == 3
+    assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
+    assert torch.equal(cross["rng_C"], zero3["rng_B"]), "the RNG continues as it did under ZeRO-3"
+    assert _rel(cross["C"], zero3["B"]) <= REL_TOL, "ddp continues ZeRO-3's run (up to reduction order)"
