@@ -33,6 +33,14 @@ parameter name (``{"state": {"fc1.weight": {...}}, "param_groups": [{...,
 shard it, so a checkpoint loads on any backend and at any world size.  RNG
 states are per rank; a rank that has none in the checkpoint (the world grew)
 starts from rank 0's, with a warning.
+
+For an exact continuation, give the DataLoader its own generator
+(``DataLoader(..., generator=torch.Generator().manual_seed(loader_seed))``):
+every ``iter(loader)`` draws a seed, and a resumed run starts one iterator
+more than the uninterrupted run did, which would otherwise shift the global
+torch RNG.  The sampler's position is counted in indices handed out, exact
+with ``num_workers=0``; with worker processes pass
+``sampler=sampler.state_dict(consumed=batches_done * batch_size)``.
 """
 
 from __future__ import annotations
