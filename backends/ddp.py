@@ -11,10 +11,13 @@ world of one process (and says how to launch more), which keeps
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from parallelx.launch import Launcher, free_port
@@ -57,13 +60,29 @@ class DDPBackend(ProcessGroupBackend):
         self._device = self._pick_device(self._local_rank)
         self._init_process_group()
         self._read_world()
+        self._models: list[DistributedDataParallel] = []
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if self.world_size > 1 and has_batchnorm(model):
             warn("ddp: BatchNorm layers normalise with each process's own batch statistics (rank 0's running "
-                 "statistics are kept); convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm for "
+                 "statistics are kept); model = backend.sync_batchnorm(model) before wrap_model gives "
                  "global-batch statistics")
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        wrapped = DistributedDataParallel(model, device_ids=ids)
+        # Gradients cast to the wire type, divided by the world size, summed, cast back.
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
+            self.options.grad_compression)
+        if hook is not None:
+            wrapped.register_comm_hook(None, hook)
+        self._models.append(wrapped)
+        return wrapped
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        # DDP decides in the forward whether the backward all-reduces: no_sync
+        # must be entered before the forward, which Backend.batches does.
+        stack = contextlib.ExitStack()
+        for model in self._models:
+            stack.enter_context(model.no_sync())
+        return stack

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -38,6 +39,7 @@ from torch import nn
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
+from parallelx.loop import LoopOptions
 from parallelx.process_group import ProcessGroupBackend
 from parallelx.protocol import keep_rng_state
 
@@ -208,18 +210,22 @@ class DeepSpeedBackend(ProcessGroupBackend):
                                  f"got {gradient_accumulation_steps}")
         user = _read_config(config)
         self.math_changes = _math_changes(user)
-        self.config = self._build_config(user, zero_stage, micro_batch_size, gradient_accumulation_steps)
+        self.options = _adopt_config(self.options, user, gradient_accumulation_steps)
+        self._config_inputs = (user, zero_stage, micro_batch_size)
+        self.config = self._build_config(user, zero_stage, micro_batch_size, self.options)
         self._models: list[DeepSpeedModel] = []
+        self._warn_rounding()
 
     @staticmethod
     def _build_config(user: dict[str, Any], zero_stage: int | None, micro_batch_size: int | None,
-                      gas: int | None) -> dict[str, Any]:
+                      options: LoopOptions) -> dict[str, Any]:
         cfg = json.loads(json.dumps(user))  # a deep copy we may edit
         if micro_batch_size is not None:
             cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
             cfg.pop("train_batch_size", None)  # recomputed by DeepSpeed from micro x gas x world
-        if gas is not None:
-            cfg["gradient_accumulation_steps"] = gas
+        # Only DeepSpeed's bookkeeping reads it: parallelx marks the windows'
+        # boundaries itself and divides the loss once (Backend.backward).
+        cfg["gradient_accumulation_steps"] = options.accumulate
         if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
             # Only DeepSpeed's bookkeeping reads it: the data loader is ours.
             cfg["train_micro_batch_size_per_gpu"] = 1
@@ -233,6 +239,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise ParallelxError(f"deepspeed: zero_optimization.stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
         for key, value in PLAIN_MATH.items():
             cfg.setdefault(key, value)
+        if options.precision == "16-mixed":
+            # DeepSpeed's own float16 engine: fp32 master weights, its dynamic loss scaler.
+            fp16 = cfg.setdefault("fp16", {})
+            fp16["enabled"] = True
+            fp16.setdefault("loss_scale", 0)
+        # Where the gradients are whole on every rank (ZeRO 0 in float32) parallelx
+        # clips them as torch does; where the engine holds them (sharded, or its
+        # float16 copies) the engine clips them, with the same formula.
+        cfg["gradient_clipping"] = (options.clip_grad_norm or 0.0) if _engine_clips(cfg) else 0.0
+        if options.wire_dtype is not None:
+            cfg["communication_data_type"] = options.grad_compression
         # Plain torch optimizers (SGD) are what the recipes use; ZeRO runs them fine.
         cfg.setdefault("zero_allow_untested_optimizer", True)
         cfg.setdefault("steps_per_print", 2**31 - 1)
@@ -327,8 +344,47 @@ class DeepSpeedBackend(ProcessGroupBackend):
         engine.train(wrapped.training)
         return DeepSpeedOptimizer(engine, ds_optimizer) if optimizer is not None else None
 
-    def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
-        self._engine_for(loss, model).backward(loss)
+    # ------------------------------------------------------ the training loop
+    def _options_changed(self) -> None:
+        self.config = self._build_config(*self._config_inputs, self.options)
+        self._warn_rounding()
+
+    def _warn_rounding(self) -> None:
+        # ZeRO 2 and 3 keep a shard of the gradients only, so they reduce each
+        # micro-batch's gradients as they are computed (DeepSpeed's no_sync
+        # refuses to run under them).  In float32 that only reorders additions;
+        # on a low-precision wire every micro-batch is rounded on its own.
+        o = self.options
+        if self.zero_stage >= 2 and o.accumulate > 1 and o.grad_compression != "none":
+            warn(f"deepspeed: ZeRO stage {self.zero_stage} sends every micro-batch's gradients, so with "
+                 f"--accumulate {o.accumulate} and --grad-compression {o.grad_compression} each is rounded to "
+                 f"{o.grad_compression} separately; the update differs from the other backends (which round the "
+                 "window's sum once) by that rounding")
+
+    def _make_grad_scaler(self) -> torch.amp.GradScaler | None:
+        return None  # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself
+
+    def _backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
+        engine = self._engine_for(loss, model)
+        # parallelx marks the boundary (a shorter last window included) and has
+        # already divided the loss by the window's length: DeepSpeed must not again.
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss, scale_wrt_gas=False)
+
+    def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
+        if _engine_clips(self.config):
+            return None  # the engine clips inside its step (gradient_clipping in the config)
+        return super()._clip_gradients(optimizer, max_norm)
+
+    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        engine = optimizer.engine  # type: ignore[attr-defined]
+        before = engine.skipped_steps
+        optimizer.step()
+        return bool(engine.skipped_steps > before)  # float16 overflow: skipped on every rank together
+
+    def _stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        norm = optimizer.engine.get_global_grad_norm()  # type: ignore[attr-defined]
+        return torch.tensor(float("nan") if norm is None else float(norm))
 
     def _engine_for(self, loss: torch.Tensor, model: nn.Module | None) -> Any:
         """The engine whose backward ``loss`` needs: the named model's, the only
@@ -376,24 +432,177 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
         if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
             return super().optimizer_state_dict(optimizer)
-        warn(f"deepspeed: under ZeRO stage {self.zero_stage} the optimizer state is sharded across ranks "
-             "and has no portable form; the checkpoint keeps None in its place (the weights are complete)")
-        return None
+        # Gathered from the shards (a collective), in the layout torch.optim itself uses.
+        from parallelx.trainstate import indexed_optimizer_state
+
+        named = self._gather_optimizer_state(optimizer, _names(optimizer.engine.module))
+        return indexed_optimizer_state(named)
+
+    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        if self.zero_stage == 0:
+            named = super().named_optimizer_state(model, optimizer)
+        else:
+            named = self._gather_optimizer_state(optimizer, _names(self.unwrap(model)))
+        # The engine's own step counters ride along; a plain optimizer ignores them.
+        engine = optimizer.engine
+        named["engine_counters"] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS}
+        return named
+
+    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
+        if self.zero_stage == 0:
+            super().load_named_optimizer_state(model, optimizer, state)
+        else:
+            self._scatter_optimizer_state(optimizer, _names(self.unwrap(model)), state)
+        counters = state.get("engine_counters")
+        if counters is not None:
+            for k in _ENGINE_COUNTERS:
+                setattr(optimizer.engine, k, int(counters[k]))
+
+    def _zero_groups(self, zero: Any) -> list[list[nn.Parameter]]:
+        """The model's parameters of each of the optimizer's param groups, in order."""
+        if self.zero_stage == 3:
+            groups: list[list[nn.Parameter]] = [[] for _ in zero.optimizer.param_groups]
+            for sub, params in enumerate(zero.fp16_groups):
+                groups[zero.sub_group_to_group_id[sub]].extend(params)
+            return groups
+        return [list(g) for g in zero.bit16_groups]
+
+    def _flat_master(self, zero: Any, group: int, param: nn.Parameter) -> torch.Tensor:
+        """The flat fp32 tensor of this rank's shard that holds ``param``'s master
+        copy; the base optimizer's state is keyed by it."""
+        if self.zero_stage == 3:
+            return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(param)][0]]
+        return zero.single_partition_of_fp32_groups[group]
+
+    def _gather_optimizer_state(self, optimizer: Any, names: Mapping[int, str]) -> dict[str, Any]:
+        """The ZeRO-sharded state, whole, keyed by parameter name.  Tensors
+        shaped like the shard are gathered with DeepSpeed's collectives (every
+        rank calls them in the same order); per-group values (Adam's ``step``)
+        are copied to every parameter, as torch.optim keeps them."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        zero = optimizer.optimizer
+        base = zero.optimizer
+        state: dict[str, dict[str, Any]] = {}
+        groups = self._zero_groups(zero)
+        for g, params in enumerate(groups):
+            for p in params:
+                flat = self._flat_master(zero, g, p)
+                shard = base.state.get(flat, {})
+                entry: dict[str, Any] = {}
+                for key in sorted(shard):
+                    value = shard[key]
+                    if torch.is_tensor(value) and value.shape == flat.shape:
+                        full = safe_get_full_optimizer_state(p, key)
+                        entry[key] = full.detach().to("cpu", copy=True).reshape(_full_shape(p))
+                    else:
+                        entry[key] = _to_cpu(value)
+                if entry:
+                    state[names[id(p)]] = entry
+        param_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                         "params": [names[id(p)] for p in params]}
+                        for group, params in zip(base.param_groups, groups)]
+        return {"state": state, "param_groups": param_groups}
+
+    def _scatter_optimizer_state(self, optimizer: Any, names: Mapping[int, str], named: Mapping[str, Any]) -> None:
+        """Put a whole state (by name) into this rank's ZeRO shards.  The base
+        optimizer creates its state at the first step; before that, it is
+        created here, shaped like the shards, for the values to land in."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        from parallelx.trainstate import check_named_groups
+
+        zero = optimizer.optimizer
+        base = zero.optimizer
+        groups = self._zero_groups(zero)
+        check_named_groups(named, [[names[id(p)] for p in params] for params in groups])
+        saved = named["state"]
+        created = False
+        for g, (group, params) in enumerate(zip(named["param_groups"], groups)):
+            base.param_groups[g].update({k: v for k, v in group.items() if k != "params"})
+            for p in params:
+                entry = saved.get(names[id(p)])
+                if not entry:
+                    continue
+                flat = self._flat_master(zero, g, p)
+                shard = base.state[flat]
+                for key, value in entry.items():
+                    if torch.is_tensor(value) and tuple(value.shape) == _full_shape(p):
+                        if key not in shard:
+                            shard[key] = torch.zeros_like(flat)
+                            created = True
+                    else:  # a per-group value: the same for every parameter of the shard
+                        shard[key] = value.clone() if torch.is_tensor(value) else value
+        if created and self.zero_stage != 3:
+            # ZeRO 1-2 link each parameter to views of its shard's state at the
+            # first step; new state tensors need the links made again.
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
+        for g, params in enumerate(groups):
+            for p in params:
+                entry = saved.get(names[id(p)], {})
+                flat = self._flat_master(zero, g, p)
+                for key in sorted(entry):
+                    value = entry[key]
+                    if torch.is_tensor(value) and tuple(value.shape) == _full_shape(p):
+                        safe_set_full_optimizer_state(p, value.to(flat.device, flat.dtype), key)
 
     def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
         if isinstance(target, nn.Module):
             module = self.unwrap(target)
             if self.zero_stage == 3:
+                # Checked on every rank first: a mismatch raised on rank 0 alone
+                # would leave the others waiting in the gather.
+                _check_shapes(module, state)
                 # Rank 0 loads the full tensors; DeepSpeed re-partitions them on exit.
                 with self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                     if self.is_main():
                         module.load_state_dict(state)
             else:
                 module.load_state_dict(state)
+            if self.zero_stage >= 1 and isinstance(target, DeepSpeedModel) and target.trains:
+                # ZeRO steps its fp32 master copies and copies them back into the
+                # weights: the masters must hold the loaded values too.
+                from deepspeed.utils import safe_set_full_fp32_param
+
+                for name, p in module.named_parameters():
+                    if p.requires_grad and name in state:
+                        safe_set_full_fp32_param(p, state[name].to(p.device, torch.float32))
         elif self.zero_stage == 0:
             target.load_state_dict(state)
         else:
-            raise ParallelxError(f"deepspeed: cannot load a plain optimizer state into ZeRO stage {self.zero_stage}")
+            # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
+            from parallelx.trainstate import named_from_indexed
+
+            names = _names(target.engine.module)
+            groups = [[names[id(p)] for p in params] for params in self._zero_groups(target.optimizer)]
+            self._scatter_optimizer_state(target, names, named_from_indexed(state, groups))
+
+
+#: DeepSpeed engine counters that a training-state checkpoint restores.
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's whole shape, also under ZeRO-3 (where the local tensor is a shard)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def _to_cpu(value: Any) -> Any:
+    from parallelx.checkpoint import to_cpu
+
+    return to_cpu(value)
+
+
+def _check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
+    for name, p in module.named_parameters():
+        if name in state and tuple(state[name].shape) != _full_shape(p):
+            raise ParallelxError(f"deepspeed: the state for {name} has shape {tuple(state[name].shape)}, the "
+                                 f"model's parameter {_full_shape(p)}; it is of another model")
 
 
 def _read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -411,6 +620,28 @@ def _read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> d
     if not isinstance(cfg, dict):
         raise ParallelxError(f"deepspeed: config file {path} must hold a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def _engine_clips(cfg: Mapping[str, Any]) -> bool:
+    """True when the engine, not parallelx, holds the gradients at the step:
+    ZeRO stages 1 to 3 (sharded) and the fp16/bf16 engines (their own copies)."""
+    casts = any(isinstance(cfg.get(k), Mapping) and bool(cfg[k].get("enabled")) for k in ("fp16", "bf16"))
+    return cfg["zero_optimization"]["stage"] >= 1 or casts
+
+
+def _adopt_config(options: LoopOptions, user: Mapping[str, Any], gas: int | None) -> LoopOptions:
+    """Loop options completed from a user's config: its accumulation steps and
+    clipping become the options the loop applies on this backend (explicit
+    options win), so a config file still means what it says."""
+    changes: dict[str, Any] = {}
+    if gas is not None:
+        changes["accumulate"] = gas
+    elif options.accumulate == 1 and user.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        changes["accumulate"] = int(user["gradient_accumulation_steps"])
+    clip = user.get("gradient_clipping")
+    if options.clip_grad_norm is None and isinstance(clip, (int, float)) and clip > 0:
+        changes["clip_grad_norm"] = float(clip)
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 def _math_changes(user: Mapping[str, Any]) -> list[str]:

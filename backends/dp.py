@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from parallelx.errors import ParallelxError
 from parallelx.local import LocalBackend
 from parallelx.log import warn
 from parallelx.utils import has_batchnorm
@@ -49,3 +50,10 @@ class DataParallelBackend(LocalBackend):
             warn("dp: DataParallel normalises each GPU's slice of the batch with that slice's statistics "
                  "and keeps cuda:0's running statistics only; BatchNorm layers do not compute what one device does")
         return nn.DataParallel(model)
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self._gpus < 2:
+            return model  # one device: the statistics are the whole batch's already
+        raise ParallelxError(f"dp: DataParallel cannot synchronise BatchNorm across its {self._gpus} GPUs (each "
+                             "replica normalises its slice); use ddp (torchrun --nproc-per-node N ... --backend "
+                             "ddp), whose sync_batchnorm does")

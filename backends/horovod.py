@@ -22,6 +22,7 @@ from torch import nn
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
+from parallelx.loop import LoopOptions
 from parallelx.protocol import Backend
 
 T = TypeVar("T")
@@ -111,9 +112,12 @@ class HorovodBackend(Backend):
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         hvd = self.hvd
         named = self._parameter_names(optimizer)
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.grad_compression]
+        # backward_passes_per_step: the all-reduce fires on the window's last
+        # backward; a shorter last window is completed by synchronize() in step().
         dist_opt = hvd.DistributedOptimizer(
-            optimizer, named_parameters=named, op=hvd.Average, compression=hvd.Compression.none,
-            backward_passes_per_step=1, gradient_predivide_factor=1.0)
+            optimizer, named_parameters=named, op=hvd.Average, compression=compression,
+            backward_passes_per_step=self.options.accumulate, gradient_predivide_factor=1.0)
         # hvd.broadcast_optimizer_state initialises an empty state with a
         # zero-gradient step, which weight decay turns into a real update.  A
         # fresh optimizer is empty (hence equal) on every rank, so only a
@@ -126,6 +130,21 @@ class HorovodBackend(Backend):
         if agree:
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
         return dist_opt
+
+    # ------------------------------------------------------ the training loop
+    def _check_options(self, options: LoopOptions) -> None:
+        if options.grad_compression == "bf16":
+            raise ParallelxError("horovod: --grad-compression bf16 is not available: Horovod has no bfloat16 "
+                                 "tensor support; use fp16 (hvd.Compression.fp16) or none")
+
+    def _sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # Wait for the all-reduces (and start those a short window never
+        # triggered), so that clipping sees the averaged gradients.
+        optimizer.synchronize()  # type: ignore[attr-defined]
+
+    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]  (already averaged above)
+            return super()._apply_step(optimizer)
 
     def _comm_device(self, tensor: torch.Tensor) -> torch.device:
         return self.device
@@ -143,3 +162,16 @@ class HorovodBackend(Backend):
         if isinstance(obj, torch.Tensor):
             return self.hvd.broadcast(obj.to(self.device), root_rank=src).to(obj.device)  # type: ignore[return-value]
         return self.hvd.broadcast_object(obj, root_rank=src)
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # hvd.allgather takes a different first dimension on each rank; the sizes split its result.
+        sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        return list(torch.split(self.hvd.allgather(tensor), sizes))
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.world_size > 1 and self.device.type == "cuda":
+            from parallelx.batchnorm import convert_batchnorm
+
+            return convert_batchnorm(model, self.hvd.SyncBatchNorm)
+        # hvd.SyncBatchNorm runs on GPUs only; the base's reduces through all_reduce.
+        return super()._sync_batchnorm(model)

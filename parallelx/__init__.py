@@ -19,6 +19,7 @@ from .process_group import ProcessGroupBackend
 from .protocol import Backend, ReduceOp
 from .registry import available_backends, backend_class, detect_backend, get_backend, register_backend
 from .sampler import ShardedSampler
+from .trainstate import latest_checkpoint, load_training_state, save_training_state
 from .utils import seed_everything
 
 __version__ = "0.2.0"
@@ -42,8 +43,11 @@ __all__ = [
     "exit_on_error",
     "from_args",
     "get_backend",
+    "latest_checkpoint",
+    "load_training_state",
     "real_mask",
     "register_backend",
+    "save_training_state",
     "seed_everything",
     "warn",
     "__version__",

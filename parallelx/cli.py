@@ -54,9 +54,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> argparse.ArgumentParser:
-    """Add ``--backend``, ``--device``, ``--timeout`` and every registered
-    backend's own options to ``parser``; returns the parser."""
+    """Add ``--backend``, ``--device``, ``--timeout``, the training-loop options
+    (``--accumulate``, ``--clip-grad-norm``, ``--precision``,
+    ``--grad-compression``) and every registered backend's own options to
+    ``parser``; returns the parser."""
+    from .loop import COMPRESSIONS, PRECISIONS
     from .protocol import DEVICES
     from .registry import available_backends, backend_class
 
@@ -68,6 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
                        help="auto: this process's GPU if there is one, else the CPU; cpu forces the CPU")
     group.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                        help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)")
+    loop = parser.add_argument_group("training loop (the same update on every backend)")
+    loop.add_argument("--accumulate", type=positive_int, default=None, metavar="N",
+                      help="micro-batches per optimizer step (gradient accumulation; default 1)")
+    loop.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="X",
+                      help="clip the averaged gradients to this global 2-norm (default: no clipping)")
+    loop.add_argument("--precision", choices=PRECISIONS, default=None,
+                      help="32 (default), bf16-mixed (autocast; CPU and GPU) or 16-mixed (autocast + loss "
+                           "scaling; GPUs)")
+    loop.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
+                      help="gradient data type on the wire: none (default), fp16, bf16")
     for name in names:
         if name == "auto":
             continue

@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import torch
 
+from .log import warn
+from .loop import LoopOptions
 from .protocol import Backend
 
 T = TypeVar("T")
@@ -17,6 +19,11 @@ class LocalBackend(Backend):
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return tensor
+
+    def _check_options(self, options: LoopOptions) -> None:
+        if options.grad_compression != "none":
+            warn(f"{self.name}: --grad-compression {options.grad_compression} has no effect: one process sends "
+                 "no gradients anywhere")
 
     def barrier(self) -> None:
         self._require_init()

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .errors import LaunchError
 from .protocol import Backend
@@ -83,6 +84,26 @@ class ProcessGroupBackend(Backend):
         box = [obj]
         dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
         return box[0]
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # dist.all_gather moves equal shapes only: every rank pads its rows to the longest.
+        rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        counts = [torch.empty_like(rows) for _ in range(self.world_size)]
+        wait(dist.all_gather(counts, rows, async_op=True))
+        sizes = [int(c) for c in counts]
+        if max(sizes) == 0:
+            return [tensor.clone() for _ in sizes]
+        padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in sizes]
+        wait(dist.all_gather(parts, padded, async_op=True))
+        return [part[:n] for part, n in zip(parts, sizes)]
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.world_size > 1 and self.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # torch's SyncBatchNorm raises on the CPU in training; the base's reduces through all_reduce.
+        return super()._sync_batchnorm(model)
 
     def _shutdown(self, *, failed: bool) -> None:
         if dist.is_initialized():

@@ -30,10 +30,13 @@ import abc
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
+import itertools
 import os
+import pickle
 import random
-from collections.abc import Iterator, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -43,6 +46,7 @@ from torch import nn
 from . import checkpoint, log
 from .errors import ParallelxError
 from .launch import PYTHON, Launcher
+from .loop import SINGLE, LoopOptions, StepResult, Window, clip_to_norm, total_norm
 from .sampler import ShardedSampler
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
@@ -94,7 +98,8 @@ class Backend(abc.ABC):
     probe_code: ClassVar[str | None] = None
 
     def __init__(self, *, timeout: float | None = None, device: str | torch.device | None = None,
-                 verbose: bool = True) -> None:
+                 verbose: bool = True, accumulate: int = 1, clip_grad_norm: float | None = None,
+                 precision: str = "32", grad_compression: str = "none") -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
         #: which then overrides a launcher's own default.
         self.timeout_explicit = timeout is not None or "PARALLELX_TIMEOUT" in os.environ
@@ -107,6 +112,13 @@ class Backend(abc.ABC):
         self._local_rank = 0
         self._local_world_size = 1
         self._device = torch.device("cpu")
+        #: What the backend does to the update besides averaging (see :mod:`parallelx.loop`).
+        self.options = LoopOptions(accumulate=accumulate, clip_grad_norm=clip_grad_norm, precision=precision,
+                                   grad_compression=grad_compression)
+        self._check_options(self.options)
+        self._window: Window = SINGLE
+        #: The loss scaler of ``16-mixed`` (None otherwise, or when the backend scales by itself).
+        self.grad_scaler: torch.amp.GradScaler | None = None
         self._constructed = True
 
     # ------------------------------------------------------------------ info
@@ -183,6 +195,9 @@ class Backend(abc.ABC):
             options["timeout"] = args.timeout
         if getattr(args, "device", None) not in (None, "auto"):
             options["device"] = args.device
+        for key in ("accumulate", "clip_grad_norm", "precision", "grad_compression"):
+            if getattr(args, key, None) is not None:
+                options[key] = getattr(args, key)
         return options
 
     @classmethod
@@ -208,6 +223,12 @@ class Backend(abc.ABC):
         self._initialized = True
         log.set_rank(self.rank)
         self._limit_cpu_threads()
+        if self.options.precision == "16-mixed" and self.device.type != "cuda":
+            self._initialized = False
+            self._shutdown(failed=True)
+            raise ParallelxError(f"{self.name}: precision 16-mixed needs a CUDA GPU (float16 autocast with loss "
+                                 f"scaling); this process runs on {self.device}: use bf16-mixed on the CPU")
+        self.grad_scaler = self._make_grad_scaler()
         # A script that ends without shutdown() (it raised, or forgot) still
         # releases the process group before the interpreter is torn down, while
         # the threads of its communication library can still take the GIL.
@@ -324,11 +345,190 @@ class Backend(abc.ABC):
             model = model.module
         return model
 
+    # --------------------------------------------------------- the training loop
+    # backward(), step(), batches() and autocast() carry the loop options
+    # (parallelx.loop.LoopOptions): the same loop gives the same update on
+    # every backend.  Each backend supplies only its native mechanism, through
+    # the hooks below them.
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Wrap the forward pass and the loss in this: ``torch.autocast`` to the
+        ``precision``'s dtype on this backend's device (nothing for ``32``).
+        The weights stay float32; only the computation is in low precision."""
+        dtype = self.options.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def batches(self, loader: Iterable[T], *, limit: int | None = None) -> Iterator[T]:
+        """The batches of ``loader``, in windows of ``accumulate`` micro-batches.
+
+        Inside a window, gradients stay on each rank (no all-reduce before the
+        last micro-batch, by each backend's own mechanism); the last window of
+        the pass may be shorter and is still applied.  Every rank gets the same
+        number of batches: when the ranks' loaders differ in length (a sampler
+        of the user's, an iterable dataset), every rank stops where the shortest
+        does, so no rank waits for a collective that never comes.  ``limit``
+        caps the number of batches of this pass.
+        """
+        self._require_init()
+        if limit is not None and limit < 1:
+            raise ParallelxError(f"batches(limit=...) must be >= 1, got {limit}")
+        n = self._agreed_length(loader, limit)
+        size = self.options.accumulate
+        iterator = iter(loader)
+        try:
+            if n is not None:
+                for i in range(n):
+                    try:
+                        batch = next(iterator)
+                    except StopIteration:
+                        raise ParallelxError(f"the loader ended after {i} batches although its len() is "
+                                             f"{n}; other ranks may now wait for this one") from None
+                    start = i - i % size
+                    yield from self._micro_batch(batch, Window(i - start, min(size, n - start), managed=True))
+                return
+            # Lengths unknown: read a window ahead, then agree on how much of it every rank has.
+            seen = 0
+            while True:
+                want = size if limit is None else min(size, limit - seen)
+                window = list(itertools.islice(iterator, want))
+                k = int(self.all_reduce(torch.tensor([len(window)]), op="min").item()) if self.world_size > 1 \
+                    else len(window)
+                if k < len(window):
+                    log.warn(f"{self.name}: another rank ran out of batches; this rank stops too (policy: every "
+                             "rank stops with the shortest, so no collective waits for a rank that has finished)")
+                for j in range(k):
+                    yield from self._micro_batch(window[j], Window(j, k, managed=True))
+                seen += k
+                if k < want or (limit is not None and seen >= limit):
+                    return
+        finally:
+            self._window = SINGLE
+
+    def _agreed_length(self, loader: Iterable[Any], limit: int | None) -> int | None:
+        """The number of batches every rank takes this pass: the shortest rank's
+        ``len(loader)`` (capped by ``limit``), or None when a rank's loader has no length."""
+        try:
+            n = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            n = -1
+        if n >= 0 and limit is not None:
+            n = min(n, limit)
+        if self.world_size > 1:
+            both = self.all_reduce(torch.tensor([n, -n]), op="max")  # [longest, -shortest] in one collective
+            longest, shortest = int(both[0]), -int(both[1])
+            if shortest < 0:
+                return None
+            if shortest != longest:
+                log.warn(f"{self.name}: the ranks' loaders give {shortest} to {longest} batches; every rank takes "
+                         f"{shortest} (the rest of the longer shards is left out of this pass)")
+            n = shortest
+        return None if n < 0 else n
+
+    def _micro_batch(self, batch: T, window: Window) -> Iterator[T]:
+        self._window = window
+        # Inside a window the forward *and* the backward run under the backend's no-sync.
+        with self._no_sync() if not window.boundary else contextlib.nullcontext():
+            yield batch
+        self._window = SINGLE
+
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
-        """Backpropagate ``loss``.  ``model`` names the wrapped model the loss
-        trains; only needed by backends whose backward belongs to a model
-        (DeepSpeed) when several models are set up."""
+        """Backpropagate ``loss`` (the mean over this micro-batch).  Under
+        accumulation it is divided by the window's length here, once, the same
+        way on every backend; the ``loss`` you hold and log is left as it is.
+        ``model`` names the wrapped model the loss trains; only needed by
+        backends whose backward belongs to a model (DeepSpeed) when several
+        models are set up."""
+        window = self._window
+        if self.options.accumulate > 1 and not window.managed:
+            raise ParallelxError(f"{self.name}: accumulate={self.options.accumulate} needs the loop to run over "
+                                 "backend.batches(loader), which marks the accumulation windows")
+        if window.size > 1:
+            loss = loss / window.size
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        self._backward(loss, model=model, boundary=window.boundary)
+
+    def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
+        """End the micro-batch: inside an accumulation window do nothing and
+        return None; at its end average the gradients over the ranks (where
+        the backend has not yet), unscale them (16-mixed), clip them to
+        ``clip_grad_norm``, step the optimizer, step ``scheduler`` once (not
+        after a skipped step), zero the gradients, and return the
+        :class:`~parallelx.loop.StepResult`."""
+        self._require_init()
+        if not self._window.boundary:
+            return None
+        self._sync_gradients(optimizer)
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(optimizer)
+        norm = self._clip_gradients(optimizer, self.options.clip_grad_norm)
+        skipped = self._apply_step(optimizer)
+        if norm is None:
+            norm = self._stepped_grad_norm(optimizer)
+        if scheduler is not None and not skipped:
+            scheduler.step()
+        optimizer.zero_grad()
+        return StepResult(grad_norm=norm.detach(), skipped=skipped)
+
+    def set_options(self, **changes: Any) -> LoopOptions:
+        """Change loop options (``accumulate``, ``clip_grad_norm``,
+        ``precision``, ``grad_compression``) after construction.  The loop
+        uses them at once; what a backend builds into its wrappers (DeepSpeed's
+        config, Horovod's optimizer, DDP's communication hook) follows for the
+        models and optimizers set up afterwards."""
+        options = dataclasses.replace(self.options, **changes)
+        self._check_options(options)
+        if options.precision == "16-mixed" and self._initialized and self.device.type != "cuda":
+            raise ParallelxError(f"{self.name}: precision 16-mixed needs a CUDA GPU; use bf16-mixed on the CPU")
+        self.options = options
+        self._options_changed()
+        if self._initialized:
+            self.grad_scaler = self._make_grad_scaler()
+        return options
+
+    # Hooks of the loop, overridden where a backend does things its own way.
+    def _options_changed(self) -> None:
+        """Rebuild whatever the backend derived from :attr:`options`."""
+
+    def _check_options(self, options: LoopOptions) -> None:
+        """Reject, at construction, loop options this backend cannot honour."""
+
+    def _make_grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler for ``16-mixed``; None for backends that scale by themselves."""
+        return torch.amp.GradScaler(self.device.type) if self.options.precision == "16-mixed" else None
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Keep gradients local for one forward and backward inside a window."""
+        return contextlib.nullcontext()
+
+    def _backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
         loss.backward()
+
+    def _sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the gradients the averaged ones before they are clipped."""
+
+    def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
+        """Clip the (averaged) gradients; return their norm before clipping, or
+        None when the backend computes it during its step."""
+        norm = total_norm(optimizer)
+        if max_norm is not None:
+            clip_to_norm(optimizer, max_norm, norm)
+        return norm
+
+    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; True when the step was skipped (inf/nan under 16-mixed)."""
+        scaler = self.grad_scaler
+        if scaler is None:
+            optimizer.step()
+            return False
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() < before  # the scale backs off exactly when the step was skipped
+
+    def _stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        return torch.tensor(float("nan"))
 
     # ----------------------------------------------------------------- data
     def make_sampler(self, dataset: Sized, *, shuffle: bool = True, seed: int = 0,
@@ -373,6 +573,91 @@ class Backend(abc.ABC):
         """Return rank ``src``'s ``obj`` on every rank.  Tensors are sent as
         tensors (same shape and dtype on every rank); anything else is pickled."""
 
+    # ------------------------------------------------------------ gathering
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order (a new
+        tensor on ``tensor``'s device).  The first dimension may differ between
+        ranks; the others and the dtype must match.  A 0-dim tensor counts as
+        shape ``[1]``.  A collective: every rank must call it."""
+        self._require_init()
+        return self._gather_rows(tensor)[0]
+
+    def _gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`all_gather`'s result and the number of rows each rank gave."""
+        local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+        # Agree on shapes first, so that a mismatch is one clear error on every rank, not a hang.
+        shapes = self.all_gather_object((tuple(local.shape), str(local.dtype)))
+        if any(s[1:] != shapes[0][0][1:] or d != shapes[0][1] for s, d in shapes):
+            seen = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(shapes))
+            raise ParallelxError(f"all_gather needs the same dtype and the same sizes after dim 0 on every rank, "
+                                 f"got {seen}")
+        wire = local.to(self._comm_device(local)).contiguous()
+        if wire.dtype == torch.bool:  # Gloo and Horovod move bytes, not bools
+            wire = wire.to(torch.uint8)
+        out = torch.cat(self._all_gather(wire)).to(device=tensor.device, dtype=local.dtype)
+        return out, [s[0] for s, _ in shapes]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (anything picklable), as a list indexed by rank.
+        A collective: every rank must call it."""
+        self._require_init()
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        parts = self._all_gather(payload.to(self._comm_device(payload)))
+        return [pickle.loads(part.cpu().numpy().tobytes()) for part in parts]
+
+    def gather_in_order(self, tensor: torch.Tensor, sampler: ShardedSampler) -> torch.Tensor:
+        """Per-sample rows that this rank produced over one whole pass of
+        ``sampler`` (row ``j`` for the ``j``-th index it gave), gathered from all
+        ranks and returned in dataset order: row ``i`` is sample ``i``, the
+        sampler's padding duplicates left out.  Call it after the pass, before
+        the next one starts.  A collective: every rank must call it."""
+        self._require_init()
+        if not isinstance(sampler, ShardedSampler):
+            raise ParallelxError(f"gather_in_order needs the parallelx ShardedSampler the loader drew from "
+                                 f"(backend.make_sampler(dataset)), got {type(sampler).__name__}; with another "
+                                 "sampler use backend.all_gather and order the rows yourself")
+        if (sampler.num_replicas, sampler.rank) != (self.world_size, self.rank):
+            raise ParallelxError(f"gather_in_order: the sampler shards for rank {sampler.rank} of "
+                                 f"{sampler.num_replicas}, but this is rank {self.rank} of {self.world_size}; "
+                                 "build it with backend.make_sampler(dataset)")
+        index = sampler.dataset_index()
+        gathered, counts = self._gather_rows(tensor)
+        if any(n != len(sampler) for n in counts):  # every rank sees the same counts: all raise
+            raise ParallelxError(f"gather_in_order: each rank's shard has {len(sampler)} samples per pass, but the "
+                                 f"ranks gave {counts} rows; give one row per sample of a whole pass (a loader "
+                                 "with drop_last=True, or a pass cut short, leaves samples out)")
+        return gathered.index_select(0, index.to(gathered.device))
+
+    @abc.abstractmethod
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (on :meth:`_comm_device`, contiguous, not bool),
+        as a list indexed by rank.  The first dimension may differ between ranks;
+        the others and the dtype are the same on every rank."""
+
+    # ---------------------------------------------------- synchronised BatchNorm
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """``model`` with its BatchNorm layers normalising with the statistics of
+        the global batch (all ranks' samples) in training.  Call it before
+        :meth:`wrap_model`.  Returns the model (converted in place where it can
+        be); unchanged in a world of one process, whose statistics are global."""
+        self._require_init()
+        from .utils import has_batchnorm
+
+        if not has_batchnorm(model):
+            return model
+        with keep_rng_state():
+            return self._sync_batchnorm(model)
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """The backend's own conversion.  This one reduces the statistics through
+        :meth:`all_reduce`, on any device; backends with a native
+        synchronised BatchNorm for GPUs use theirs there."""
+        if self.world_size == 1:
+            return model
+        from .batchnorm import SyncBatchNorm, convert_batchnorm
+
+        return convert_batchnorm(model, SyncBatchNorm, reduce=lambda t: self.all_reduce(t, "sum"))
+
     # ---------------------------------------------------------- checkpoints
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full, unwrapped ``state_dict`` as CPU tensors.  A collective on
@@ -383,6 +668,24 @@ class Backend(abc.ABC):
         """A plain ``torch.optim`` state dict (tensors on the CPU), or None with a
         warning when the backend keeps it in a form that cannot be made portable."""
         return checkpoint.to_cpu(optimizer.state_dict())
+
+    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's whole state in ``torch.optim``'s layout, keyed by the
+        names of ``model``'s parameters (``{"state": {"fc1.weight": {...}},
+        "param_groups": [{..., "params": ["fc1.weight", ...]}]}``), tensors on
+        the CPU.  A collective on backends that shard it: every rank must call it."""
+        from .trainstate import named_optimizer_state
+
+        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
+        return named_optimizer_state(optimizer, names)
+
+    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`named_optimizer_state` returned (on any backend, at
+        any world size), matching parameters by name.  Every rank calls it."""
+        from .trainstate import load_named_optimizer_state
+
+        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
+        load_named_optimizer_state(optimizer, names, state)
 
     def portable(self, obj: Any) -> Any:
         """``obj`` with every model and optimizer replaced by its plain state dict.

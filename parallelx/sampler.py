@@ -68,6 +68,7 @@ class ShardedSampler(Sampler[int]):
         self.passes = 0
         #: The epoch whose order the latest pass used (None before the first pass).
         self.last_epoch: int | None = None
+        self._last_start = 0  # where in its epoch's order the latest pass began (a resumed pass: > 0)
         if drop_last:
             self.num_samples = self.dataset_size // num_replicas
             if self.num_samples == 0:
@@ -81,6 +82,13 @@ class ShardedSampler(Sampler[int]):
         # Real positions of this rank: p = rank + i * W < dataset_size.
         real = max(0, math.ceil((self.dataset_size - rank) / num_replicas))
         self.num_real = min(self.num_samples, real)
+        # Resuming (state_dict / load_state_dict): where the current pass began
+        # in its epoch's global order, how many indices it has given out, and
+        # the (epoch, position) a loaded state asks the next pass to start at.
+        self._start = 0
+        self._drawn = 0
+        self._pass_epoch: int | None = None
+        self._resume: tuple[int, int] | None = None
 
     def real_mask(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """True for the real samples among positions ``[start, start + count)`` of this shard."""
@@ -109,6 +117,8 @@ class ShardedSampler(Sampler[int]):
         if self.last_epoch is None:
             raise ParallelxError("this sampler has not been iterated yet: the order of a pass is known once "
                                  "a loader built on it has started that pass")
+        if self._last_start:
+            return self._rest_order(self.last_epoch, self._last_start)
         return self.global_order(self.last_epoch)
 
     def dataset_index(self) -> torch.Tensor:
@@ -116,6 +126,9 @@ class ShardedSampler(Sampler[int]):
         from all ranks in rank order (rank 0's whole shard, then rank 1's, ...):
         ``gathered[sampler.dataset_index()]`` has row ``i`` = sample ``i``, the
         padding duplicates left out."""
+        if self._last_start or self._resume is not None:
+            raise ParallelxError("the latest pass resumed part of an epoch (load_state_dict), so it has no row for "
+                                 "the samples done before; gather in dataset order over a whole pass")
         if self.total_size < self.dataset_size:
             raise ParallelxError(f"drop_last=True leaves {self.dataset_size - self.total_size} of the "
                                  f"{self.dataset_size} samples out of every pass, so there is no row for them; "
@@ -130,10 +143,113 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
-        self.last_epoch = epoch
+        start = self._begin_pass(epoch)
+        self.last_epoch, self._last_start = epoch, start
         self.passes += 1
         self.epoch += 1  # the next iteration is the next epoch, set_epoch or not
-        return iter(self.global_order(epoch)[self.rank : self.total_size : self.num_replicas])
+        order = self._rest_order(epoch, start) if start else self.global_order(epoch)
+        return self._counted(order[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
+        if self._start and self._pass_epoch is not None and self._drawn >= self.num_samples:
+            # A resumed (shorter) pass has given out all it had: what is asked
+            # now is the next pass's length (a loader's len() before iterating),
+            # and that pass is whole.
+            w = self.num_replicas
+            return self.dataset_size // w if self.drop_last else math.ceil(self.dataset_size / w)
         return self.num_samples
+
+    # ----------------------------------------------------------- resuming
+    def state_dict(self, consumed: int | None = None) -> dict[str, int | bool]:
+        """Where this sampler stands, independent of the world size: the seed,
+        the epoch and how many positions of that epoch's global order are done.
+
+        ``consumed`` is the number of this rank's samples of the current pass
+        that training has used (e.g. ``batches_done * batch_size``); without
+        it, the number of indices the pass has handed out, which is the same
+        when the loader draws them as it builds each batch (``num_workers=0``)
+        but runs ahead of training with worker processes.  A finished pass
+        counts as the start of the next epoch."""
+        if self._resume is not None:  # loaded, not iterated yet: unchanged
+            epoch, position = self._resume
+        elif self._pass_epoch is None:
+            epoch, position = self.epoch, 0
+        else:
+            done = self._drawn if consumed is None else int(consumed)
+            if not 0 <= done <= self.num_samples:
+                raise ParallelxError(f"consumed must be in [0, {self.num_samples}] (this rank's samples in the "
+                                     f"current pass), got {consumed}")
+            epoch = self._pass_epoch
+            position = self._start + min(done * self.num_replicas, self.dataset_size - self._start)
+            if done == self.num_samples or position >= self.dataset_size:
+                epoch, position = epoch + 1, 0
+        return {"seed": self.seed, "epoch": epoch, "consumed": position, "dataset_size": self.dataset_size,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        """Continue from :meth:`state_dict`'s position, at any world size: the
+        next pass gives only the samples of that epoch's global order not yet
+        done, sharded over this sampler's ranks (padded at the end as usual,
+        :attr:`num_real` and ``len()`` are this shorter pass's); the passes
+        after it are whole epochs again."""
+        try:
+            seed, epoch, position = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
+            size, shuffle = int(state["dataset_size"]), bool(state["shuffle"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParallelxError(f"not a sampler state ({type(exc).__name__}: {exc})") from None
+        if size != self.dataset_size or shuffle != self.shuffle:
+            raise ParallelxError(f"the sampler state is of a dataset of {size} samples (shuffle={shuffle}), this "
+                                 f"sampler's has {self.dataset_size} (shuffle={self.shuffle}); resume with the "
+                                 "same dataset")
+        if not 0 <= position <= size or epoch < 0:
+            raise ParallelxError(f"the sampler state's position {position} (epoch {epoch}) is outside [0, {size}]")
+        if position == size:
+            epoch, position = epoch + 1, 0
+        self.seed, self.epoch = seed, epoch
+        self._resume = (epoch, position) if position else None
+        self._pass_epoch, self._drawn = None, 0
+        self._shape_pass(position)
+
+    def _begin_pass(self, epoch: int) -> int:
+        """Start a pass over ``epoch``: the position it starts at (a loaded
+        state's, for the epoch it was saved in) with the geometry set for it."""
+        start, pending, self._resume = 0, self._resume, None
+        if pending is not None:
+            if pending[0] == epoch:
+                start = pending[1]
+            else:
+                from .log import warn
+
+                warn(f"sampler: the loaded state continues epoch {pending[0]} at position {pending[1]}, but this "
+                     f"pass is epoch {epoch} (set_epoch changed it): epoch {epoch} is taken whole")
+        if start != self._start:
+            self._shape_pass(start)
+        self._drawn, self._pass_epoch = 0, epoch
+        return start
+
+    def _shape_pass(self, start: int) -> None:
+        """``num_samples``, ``total_size`` and ``num_real`` of a pass over the
+        ``dataset_size - start`` samples from position ``start`` on."""
+        rest, w = self.dataset_size - start, self.num_replicas
+        self.num_samples = rest // w if self.drop_last else math.ceil(rest / w)
+        self.total_size = self.num_samples * w
+        self.num_real = min(self.num_samples, max(0, math.ceil((rest - self.rank) / w)))
+        self._start = start
+
+    def _rest_order(self, epoch: int, start: int) -> list[int]:
+        """Positions ``start`` to ``start + total_size`` of ``epoch``'s global
+        order, padded past its end by repeating its head as :meth:`global_order`
+        does: at an unchanged world size, exactly what the interrupted pass
+        would have given from there on, padding included."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_size, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        return [order[p % self.dataset_size] for p in range(start, start + self.total_size)]
+
+    def _counted(self, indices: list[int]) -> Iterator[int]:
+        for i in indices:
+            self._drawn += 1
+            yield i
