@@ -26,6 +26,7 @@ from parallelx.errors import ParallelxError
 #: Seeds are used as ``seed + epoch`` and ``seed + 1000 * rank`` too; NumPy's
 #: range keeps every one of them valid for ``torch.manual_seed``.
 SEED_MAX = 2**32 - 1
+LR_SCHEDULES = ("constant", "cosine", "step")
 
 
 class RecipeParser(argparse.ArgumentParser):
@@ -60,6 +61,14 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = float(_number(text, float))
+    if not (value >= 0 and math.isfinite(value)):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def seed(text: str) -> int:
@@ -107,7 +116,13 @@ def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
     p.add_argument("--num-workers", type=non_negative_int, default=None,
                    help="data-loader workers per process (default: this process's share of the cores, minus one)")
-    p.add_argument("--max-steps", type=positive_int, default=None, help="cap on training steps per epoch (quick runs)")
+    p.add_argument("--max-steps", type=positive_int, default=None,
+                   help="cap on micro-batches per epoch and process (quick runs)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
+                        "50%% and 75%% of the steps)")
+    p.add_argument("--warmup-epochs", type=non_negative_float, default=0.0,
+                   help="ramp the learning rate up linearly over this many epochs first (fractions allowed)")
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
     return p
 
@@ -120,6 +135,10 @@ def validate(args: argparse.Namespace) -> None:
     check_out_dir(args.out_dir)
     check_data_dir(args.data_dir)
     check_num_workers(getattr(args, "num_workers", None))
+    epochs = getattr(args, "epochs", None)
+    if epochs is not None and getattr(args, "warmup_epochs", 0) >= epochs:
+        raise ParallelxError(f"--warmup-epochs {args.warmup_epochs} must be less than --epochs {epochs}: the "
+                             "learning rate would never reach --lr")
 
 
 def check_num_workers(workers: int | None) -> None:

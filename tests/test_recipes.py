@@ -62,14 +62,16 @@ def check_outputs(res, out: Path, backend: str, world: int) -> dict:
     assert any(ln.startswith("val Loss: ") and " Acc: " in ln for ln in lines)
     assert any(ln.startswith("Training complete in ") for ln in lines)
     assert sum(ln.startswith("Best val Acc: ") for ln in lines) == 1, "printed by the main rank only"
-    assert sorted(p.name for p in out.iterdir()) == ["best.pth", "history.csv", "metrics.json", "training_results.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["best.pth", "history.csv", "last.pth", "metrics.json",
+                                                       "training_results.png"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["backend"] == backend and metrics["world_size"] == world
     import pandas as pd
 
     hist = pd.read_csv(out / "history.csv")
     assert list(hist.columns) == ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s",
-                                  "train_images_per_s", "val_images_per_s"]
+                                  "train_images_per_s", "val_images_per_s", "lr", "grad_norm", "optimizer_steps",
+                                  "skipped_steps"]
     assert len(hist) == 1 and hist["val_acc"].iloc[0] == metrics["final_val_acc"]
     return metrics
 
