@@ -22,6 +22,7 @@ launch costs are in the separate-launch comparison of ``benchmarks.run``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 import parallelx
+import parallelx.loop
 from benchmarks import px_worker, raw_ddp, raw_deepspeed, raw_horovod, workload
 from parallelx.cli import exit_on_error
 
@@ -44,6 +46,15 @@ PLAIN: dict[str, Callable[[workload.Case, parallelx.Backend], tuple[workload.Ste
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
+
+
+def _autocast(precision: str) -> Callable[[torch.device], contextlib.AbstractContextManager[object]]:
+    """``torch.autocast`` for ``precision`` (``--precision`` as parallelx defines it), around the whole step."""
+    dtype = parallelx.loop.LoopOptions(precision=precision).autocast_dtype
+    return lambda device: contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+autocast = _autocast("32")
 
 
 def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Backend) -> None:
@@ -62,7 +73,8 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
                 times: list[float] = []
                 for x, y in workload.timed_steps(case, batches, backend.device, times,
                                                  first=len(blocks[impl]) * (case.warmup + case.steps)):
-                    loss = steps[impl][0](x, y)
+                    with autocast(backend.device):  # both implementations, the same mixed precision
+                        loss = steps[impl][0](x, y)
                 blocks[impl].append(times)
         plain_w = backend.unwrap(steps["plain"][1]).state_dict()
         px_w = backend.model_state_dict(steps["parallelx"][1])
@@ -86,7 +98,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True, choices=sorted(PLAIN))
     parser.add_argument("--blocks", type=int, default=10, help="blocks of each implementation, alternating")
+    parser.add_argument("--precision", choices=parallelx.loop.PRECISIONS, default="32",
+                        help="autocast both implementations' steps to this precision")
     args, plan = workload.worker_args(parser)
+    global autocast
+    autocast = _autocast(args.precision)
     if args.blocks < 1:
         raise workload.BenchError(f"--blocks must be >= 1, got {args.blocks}")
 

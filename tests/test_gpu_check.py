@@ -107,7 +107,8 @@ def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
         assert figures["val_acc"] == figures["reference_acc"]
     assert items["recipes / dogcat on single"]["status"] == "passed"
     harness = [i for k, i in items.items() if k.startswith("throughput / same-process harness")]
-    assert len(harness) == 1 and harness[0]["status"] == "passed" and harness[0]["figures"]["ratio"] > 0
+    assert len(harness) == 2  # one per precision: fp32 and bf16-mixed
+    assert all(h["status"] == "passed" and h["figures"]["ratio"] > 0 for h in harness)
     loop = items["host-sync / training loop on ddp"]
     assert loop["status"] == "passed" and loop["figures"]["step_ratio"] > 0
 
@@ -121,8 +122,7 @@ def test_cuda_only_checks_are_listed_as_skipped(dry_run):
     items = {f"{n} / {i['name']}": i for n, s in summary["sections"].items() for i in s["items"]}
     for name in CUDA_ONLY:
         assert items[name]["status"] == "skipped" and items[name]["needs"] == "cuda"
-    # bf16 is skipped for its own reason, whatever the machine.
-    assert "does not exist yet" in items["throughput / VGG16 224 px, 32/process, bf16-mixed"]["detail"]
+    assert "CUDA only" in items["throughput / VGG16 224 px, 32/process, bf16-mixed"]["detail"]
 
 
 # -------------------------------------------------- the check's machinery
@@ -178,13 +178,15 @@ def test_synchronisations_per_step_verdict():
 
 
 def test_precisions_follow_what_parallelx_offers():
-    """bf16-mixed is skipped while parallelx has no such option; once it has
-    one, this fails until the check's one-line PRECISIONS entry passes it."""
+    """The check measures every precision parallelx offers: bf16-mixed is
+    passed to the benchmark; an option parallelx lacks is reported as missing."""
     precisions = load_script("gpu_check.settings").PRECISIONS
     throughput = load_script("gpu_check.sections.throughput")
     assert precisions["fp32"] == ()
     assert (precisions["bf16-mixed"] is None) == (not throughput.parallelx_offers("bf16-mixed"))
-    assert "does not exist yet" in throughput.precision_missing_reason("bf16-mixed")
+    assert throughput.parallelx_offers("bf16-mixed") and precisions["bf16-mixed"] == ("--precision", "bf16-mixed")
+    assert not throughput.parallelx_offers("fp8-mixed")
+    assert "does not exist yet" in throughput.precision_missing_reason("fp8-mixed")
 
 
 def test_gpu_check_sh_parses():

@@ -27,7 +27,7 @@ SYNC_BACKENDS = ("single", "ddp", "deepspeed", "horovod")
 #: report then says so).  Adding bf16 once parallelx has it is this one line.
 PRECISIONS: dict[str, tuple[str, ...] | None] = {
     "fp32": (),
-    "bf16-mixed": None,
+    "bf16-mixed": ("--precision", "bf16-mixed"),
 }
 #: The parallelx step may synchronise with the host this many times per step
 #: more than the plain framework's: 0.1 is expected (the progress bar reads
