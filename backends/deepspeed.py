@@ -96,7 +96,8 @@ class DeepSpeedModel(nn.Module):
         if self.engine is None:
             with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
                 self._backend._build(self, None)  # no optimizer came: an engine for inference
-        return self.engine(*args, **kwargs)
+        with self._backend._watch("forward (ZeRO-3 gathers parameters in it)"):
+            return self.engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DeepSpeedModel:
         super().train(mode)
@@ -193,6 +194,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
     summary = "`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks"
     launcher = DEEPSPEED
     requires_module = "deepspeed"
+    # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
+    needs_watchdog = True
     install_hint = INSTALL_HINT
     probe_code = ("import deepspeed; from deepspeed.accelerator import get_accelerator; "
                   "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())")
@@ -300,7 +303,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
         deepspeed.init_distributed(dist_backend=self._dist_backend(), verbose=False,
                                    timeout=_dt.timedelta(seconds=self.timeout_s))
-        self._read_world("LOCAL_SIZE")  # the deepspeed launcher's name for it
+        # LOCAL_SIZE is the deepspeed launcher's name for it; under torchrun
+        # (which restarts failed jobs, the deepspeed launcher does not) LOCAL_WORLD_SIZE.
+        self._read_world("LOCAL_SIZE" if "LOCAL_SIZE" in os.environ else "LOCAL_WORLD_SIZE")
         if self.math_changes:
             warn(f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
                  "what one process (and the other backends) compute")

@@ -43,6 +43,9 @@ class HorovodBackend(Backend):
     summary = "`hvd.DistributedOptimizer` (averaging, no compression), rank-0 broadcast"
     launcher = HOROVODRUN
     requires_module = "horovod"
+    # Seen with 0.28.1 on the Gloo controller: a rank that never joins a
+    # collective is not shut down by Horovod's stall inspector.
+    needs_watchdog = True
     install_hint = INSTALL_HINT
     probe_code = ("import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
                   "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')")
@@ -155,18 +158,21 @@ class HorovodBackend(Backend):
 
     def barrier(self) -> None:
         self._require_init()
-        self.hvd.barrier()
+        with self._watch("barrier"):
+            self.hvd.barrier()
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         self._require_init()
-        if isinstance(obj, torch.Tensor):
-            return self.hvd.broadcast(obj.to(self.device), root_rank=src).to(obj.device)  # type: ignore[return-value]
-        return self.hvd.broadcast_object(obj, root_rank=src)
+        with self._watch("broadcast"):
+            if isinstance(obj, torch.Tensor):
+                return self.hvd.broadcast(obj.to(self.device), root_rank=src).to(obj.device)  # type: ignore[return-value]
+            return self.hvd.broadcast_object(obj, root_rank=src)
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         # hvd.allgather takes a different first dimension on each rank; the sizes split its result.
-        sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-        return list(torch.split(self.hvd.allgather(tensor), sizes))
+        with self._watch("all_gather"):
+            sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+            return list(torch.split(self.hvd.allgather(tensor), sizes))
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.world_size > 1 and self.device.type == "cuda":

@@ -73,30 +73,34 @@ class ProcessGroupBackend(Backend):
 
     def barrier(self) -> None:
         self._require_init()
-        wait(dist.barrier(async_op=True))
+        with self._watch("barrier"):
+            wait(dist.barrier(async_op=True))
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         self._require_init()
-        if isinstance(obj, torch.Tensor):
-            out = obj.detach().to(self._comm_device(obj), copy=True)
-            wait(dist.broadcast(out, src=src, async_op=True))
-            return out.to(obj.device)  # type: ignore[return-value]
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        with self._watch("broadcast"):
+            if isinstance(obj, torch.Tensor):
+                out = obj.detach().to(self._comm_device(obj), copy=True)
+                wait(dist.broadcast(out, src=src, async_op=True))
+                return out.to(obj.device)  # type: ignore[return-value]
+            box = [obj]
+            dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+            return box[0]
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         # dist.all_gather moves equal shapes only: every rank pads its rows to the longest.
         rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
         counts = [torch.empty_like(rows) for _ in range(self.world_size)]
-        wait(dist.all_gather(counts, rows, async_op=True))
+        with self._watch("all_gather"):
+            wait(dist.all_gather(counts, rows, async_op=True))
         sizes = [int(c) for c in counts]
         if max(sizes) == 0:
             return [tensor.clone() for _ in sizes]
         padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in sizes]
-        wait(dist.all_gather(parts, padded, async_op=True))
+        with self._watch("all_gather"):
+            wait(dist.all_gather(parts, padded, async_op=True))
         return [part[:n] for part, n in zip(parts, sizes)]
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:

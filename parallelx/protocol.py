@@ -48,6 +48,7 @@ from .errors import ParallelxError
 from .launch import PYTHON, Launcher
 from .loop import SINGLE, LoopOptions, StepResult, Window, clip_to_norm, total_norm
 from .sampler import ShardedSampler
+from .watchdog import Watchdog
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
@@ -96,6 +97,9 @@ class Backend(abc.ABC):
     #: Python code that ``python -m parallelx env`` runs in a fresh process to
     #: check that the package really works; it prints one line of detail.
     probe_code: ClassVar[str | None] = None
+    #: True for backends whose collectives can wait forever for a stalled
+    #: peer: parallelx then watches their blocking calls (see parallelx.watchdog).
+    needs_watchdog: ClassVar[bool] = False
 
     def __init__(self, *, timeout: float | None = None, device: str | torch.device | None = None,
                  verbose: bool = True, accumulate: int = 1, clip_grad_norm: float | None = None,
@@ -119,6 +123,7 @@ class Backend(abc.ABC):
         self._window: Window = SINGLE
         #: The loss scaler of ``16-mixed`` (None otherwise, or when the backend scales by itself).
         self.grad_scaler: torch.amp.GradScaler | None = None
+        self._watchdog: Watchdog | None = None
         self._constructed = True
 
     # ------------------------------------------------------------------ info
@@ -229,6 +234,8 @@ class Backend(abc.ABC):
             raise ParallelxError(f"{self.name}: precision 16-mixed needs a CUDA GPU (float16 autocast with loss "
                                  f"scaling); this process runs on {self.device}: use bf16-mixed on the CPU")
         self.grad_scaler = self._make_grad_scaler()
+        if self.needs_watchdog and self.world_size > 1:
+            self._watchdog = Watchdog(self.timeout_s, self.rank)
         # A script that ends without shutdown() (it raised, or forgot) still
         # releases the process group before the interpreter is torn down, while
         # the threads of its communication library can still take the GIL.
@@ -246,10 +253,13 @@ class Backend(abc.ABC):
         it at the end of a successful run.  Safe to call more than once."""
         if self._initialized:
             try:
-                self._shutdown(failed=False)
+                with self._watch("shutdown"):
+                    self._shutdown(failed=False)
             finally:
                 self._initialized = False
                 atexit.unregister(self.abort)
+                if self._watchdog is not None:
+                    self._watchdog.close()
 
     def abort(self) -> None:
         """Release what this process holds without waiting for the other ranks
@@ -264,6 +274,10 @@ class Backend(abc.ABC):
 
     def _shutdown(self, *, failed: bool) -> None:
         """The backend's own tear-down; ``failed`` means: do not talk to other ranks."""
+
+    def _watch(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Arm the watchdog (when this backend needs one) around a blocking call."""
+        return self._watchdog.watch(what) if self._watchdog is not None else contextlib.nullcontext()
 
     def __enter__(self) -> Backend:
         return self.init()
@@ -447,7 +461,8 @@ class Backend(abc.ABC):
             loss = loss / window.size
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
-        self._backward(loss, model=model, boundary=window.boundary)
+        with self._watch("backward (the gradient all-reduce)"):
+            self._backward(loss, model=model, boundary=window.boundary)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
         """End the micro-batch: inside an accumulation window do nothing and
@@ -459,13 +474,14 @@ class Backend(abc.ABC):
         self._require_init()
         if not self._window.boundary:
             return None
-        self._sync_gradients(optimizer)
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(optimizer)
-        norm = self._clip_gradients(optimizer, self.options.clip_grad_norm)
-        skipped = self._apply_step(optimizer)
-        if norm is None:
-            norm = self._stepped_grad_norm(optimizer)
+        with self._watch("the optimizer step (gradient synchronisation)"):
+            self._sync_gradients(optimizer)
+            if self.grad_scaler is not None:
+                self.grad_scaler.unscale_(optimizer)
+            norm = self._clip_gradients(optimizer, self.options.clip_grad_norm)
+            skipped = self._apply_step(optimizer)
+            if norm is None:
+                norm = self._stepped_grad_norm(optimizer)
         if scheduler is not None and not skipped:
             scheduler.step()
         optimizer.zero_grad()
@@ -551,7 +567,8 @@ class Backend(abc.ABC):
         if op == "mean" and not out.is_floating_point():
             out = out.double()
         # Gloo has no AVG: every backend sums and divides, so mean means the same everywhere.
-        out = self._reduce(out, "sum" if op == "mean" else op)
+        with self._watch("all_reduce"):
+            out = self._reduce(out, "sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.world_size
         return out.to(tensor.device)

@@ -1,0 +1,91 @@
+"""A rank that stalls (alive, but never reaching the next collective) ends
+the job after the configured timeout, on every backend (``tests/stall_worker.py``).
+
+DDP relies on Gloo's own timeout; Horovod's Gloo controller and DeepSpeed's
+CPU all-reduce wait for ever by themselves, so parallelx's watchdog ends the
+waiting rank, and the launcher then stops the stalled one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from launching import BIN, ROOT, launch, launcher_for, require_launcher
+
+from parallelx.launch import free_port
+from parallelx.watchdog import EXIT_STALLED
+
+TIMEOUT_S = 6
+# Start-up (DeepSpeed's is ~15 s on 2 busy cores), then the timeout, then the launcher's clean-up.
+ENDS_WITHIN_S = 90
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
+
+# Where the framework alone would wait for ever (measured without the
+# watchdog): Horovod's all-reduce for a sleeping peer (its stall inspector does
+# end a SIGSTOPped one), DeepSpeed's shared-memory all-reduce (ZeRO 0-2).  DDP
+# and ZeRO-3's reduce-scatter go through Gloo, whose timeout ends them first.
+WATCHDOG_ENDS = {"horovod", "deepspeed-zero0"}
+
+CASES = {
+    "ddp": ("torchrun", "ddp", []),
+    "horovod": ("horovodrun", "horovod", []),
+    "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
+    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sleeping_rank_ends_the_job(case, tmp_path):
+    launcher, backend, extra = CASES[case]
+    require_launcher(launcher)
+    res = launch(launcher, ["tests/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
+                            "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
+    assert res.returncode != 0, res.tail()
+    assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
+    if case in WATCHDOG_ENDS:
+        assert "another rank is stalled or gone" in res.output, res.tail()
+        assert f"exit status {EXIT_STALLED}" in res.output
+
+
+@pytest.mark.parametrize("case", ["deepspeed-zero0", "horovod"])
+def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
+    """SIGSTOP from outside, as a debugger or a swapping machine would."""
+    launcher, backend, extra = CASES[case]
+    require_launcher(launcher)
+    spec = launcher_for(launcher)
+    port = free_port()
+    cmd = spec.command(["tests/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
+                        "--out", str(tmp_path), "--freeze", "external"], 2, port=port)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           **spec.env()}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    pid_file = tmp_path / "rank1.pid"
+    try:
+        deadline = time.monotonic() + 90
+        while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert pid_file.exists(), "rank 1 never started training"
+        time.sleep(2)  # a few steps in
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            out, _ = proc.communicate(timeout=ENDS_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job still ran {ENDS_WITHIN_S}s after rank 1 was frozen")
+        ended = time.monotonic() - frozen
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        if spec.cleanup is not None:
+            spec.cleanup(port)
+    assert proc.returncode != 0
+    if case == "deepspeed-zero0":  # Horovod's stall inspector ends a frozen peer by itself
+        assert "another rank is stalled or gone" in out, out[-3000:]
+    assert ended < TIMEOUT_S + 45, f"ended {ended:.0f}s after the freeze"
