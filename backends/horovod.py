@@ -13,7 +13,7 @@ loaded optimizer state) are broadcast.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
-from parallelx.loop import LoopOptions
+from parallelx.loop import SINGLE, LoopOptions
 from parallelx.protocol import Backend
 
 T = TypeVar("T")
@@ -181,3 +181,51 @@ class HorovodBackend(Backend):
             return convert_batchnorm(model, self.hvd.SyncBatchNorm)
         # hvd.SyncBatchNorm runs on GPUs only; the base's reduces through all_reduce.
         return super()._sync_batchnorm(model)
+
+    # ---------------------------------------------------------- elastic runs
+    def run_elastic(self, train: Callable[[], T]) -> T:
+        self._require_init()
+        # horovodrun sets HOROVOD_ELASTIC=1 only when started elastic (--min-np,
+        # --max-np or --host-discovery-script); a fixed world has nothing to rejoin.
+        if os.environ.get("HOROVOD_ELASTIC") != "1":
+            return train()
+        from horovod.common.elastic import ObjectState
+
+        hvd = self.hvd
+        # The state is the training-state checkpoint on disk, which train()
+        # reloads each time: survivors and new ranks then start from the same
+        # files, and a fresh job started over resumes from them too.  What
+        # Horovod keeps in memory is only the number of commits (rolled back to
+        # the last one, broadcast from rank 0 to ranks that join).
+        state = ObjectState(hvd.broadcast_object, hvd.rank, commits=0)
+
+        def attempt(state: ObjectState) -> T:
+            self._rejoined()
+            return train()
+
+        self._elastic_state = state
+        try:
+            return hvd.elastic.run(attempt)(state)
+        finally:
+            self._elastic_state = None
+
+    def elastic_commit(self) -> None:
+        self._require_init()
+        state = getattr(self, "_elastic_state", None)
+        if state is not None:
+            with self._watch("elastic commit"):
+                state.commits += 1
+                state.commit()  # raises HostsUpdatedInterrupt, which run_elastic handles, when hosts changed
+
+    def _rejoined(self) -> None:
+        """Take the new world's rank and sizes after ``hvd.elastic.run`` re-initialised
+        Horovod (ranks are not stable across a reset; the world may have shrunk)."""
+        hvd = self.hvd
+        self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self._local_world_size = hvd.local_size()
+        if hvd.nccl_built():
+            self._device = self._pick_device(self._local_rank)
+        # The models of an earlier train() are gone: their parameter names must
+        # not prefix the new ones (Horovod matches gradients across ranks by name).
+        self._models = []
+        self._window = SINGLE

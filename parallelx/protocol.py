@@ -36,7 +36,7 @@ import itertools
 import os
 import pickle
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -740,6 +740,33 @@ class Backend(abc.ABC):
             self.unwrap(target).load_state_dict(state)
         else:
             target.load_state_dict(state)
+
+    # ---------------------------------------------------------- elastic runs
+    def run_elastic(self, train: Callable[[], T]) -> T:
+        """Run ``train()`` so that the job outlives a lost rank where the
+        launcher can change the world while it runs (``horovodrun --min-np
+        --max-np --host-discovery-script``); elsewhere call it once.
+
+        When a rank dies, or hosts join or leave, every remaining rank leaves
+        ``train()`` by an exception, the backend joins the new world
+        (:attr:`rank`, :attr:`world_size` and the local sizes change) and calls
+        ``train()`` again.  So ``train`` starts from the beginning each time:
+        it builds and wraps the model and optimizer, makes the sampler with
+        :meth:`make_sampler` (sharded for the world it runs in), loads
+        ``parallelx.latest_checkpoint(run_dir)`` when there is one, and every
+        few steps calls ``parallelx.save_training_state`` then
+        :meth:`elastic_commit`.  Whatever was done after the last checkpoint is
+        done again, by the new world; models and optimizers of an earlier call
+        must not be used again.  Returns what ``train()`` returned."""
+        self._require_init()
+        return train()
+
+    def elastic_commit(self) -> None:
+        """Mark the checkpoint just saved as the point an elastic run
+        (:meth:`run_elastic`) goes back to; hosts waiting to join or leave take
+        effect here, which may end ``train()`` to form the new world.  Every
+        rank calls it; outside an elastic run it does nothing."""
+        self._require_init()
 
 
 @contextlib.contextmanager
