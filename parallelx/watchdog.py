@@ -8,7 +8,9 @@ I/O) leaves every other rank waiting for good, and no launcher restarts a
 job that never fails.  For those backends parallelx arms this watchdog
 around each blocking call (backward, the optimizer step, the collectives,
 DeepSpeed's forward): when one lasts longer than the backend's timeout, the
-process reports which call and ends with :data:`EXIT_STALLED`.  The launcher
+process reports which call and ends with :data:`EXIT_STALLED` (a grace of
+a quarter of the timeout, at least 5 s, lets a framework's own timeout
+error come first where there is one).  The launcher
 then stops the other ranks, the stalled one included, and a launcher that
 restarts (``torchrun --max-restarts``) starts the job again, to resume from
 its last checkpoint.
@@ -53,7 +55,9 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name="parallelx-watchdog", daemon=True)
             self._thread.start()
         self._what, self._started = what, time.monotonic()
-        self._deadline = self._started + self.timeout_s
+        # A little past the timeout: where the framework has a timeout of its
+        # own (Gloo's), its error, which says more, comes first.
+        self._deadline = self._started + self.timeout_s + max(5.0, 0.25 * self.timeout_s)
         try:
             yield
         finally:
@@ -69,7 +73,7 @@ class Watchdog:
             if deadline is not None and time.monotonic() > deadline:
                 waited = time.monotonic() - self._started
                 sys.stderr.write(
-                    f"parallelx: error: rank {self.rank}: {self._what} has waited {waited:.0f} s, more than the "
+                    f"parallelx: error: rank {self.rank}: {self._what} has waited {waited:.0f} s, longer than the "
                     f"timeout ({self.timeout_s:g} s; --timeout or $PARALLELX_TIMEOUT): another rank is stalled or "
                     f"gone. Ending this process (exit status {EXIT_STALLED}) so that the launcher stops the job, "
                     "or restarts it from its last checkpoint.\n")
