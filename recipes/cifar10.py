@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         model, optimizer = backend.setup(model, optimizer)
         cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
                         max_steps=args.max_steps, out_dir=args.out_dir,
-                        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs)
+                        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs,
+                        checkpoint_every=args.checkpoint_every, resume=args.resume,
+                        keep_checkpoints=args.keep_checkpoints)
         fit(backend, model, optimizer, train_set, val_set, cfg, run_info={"recipe": "cifar10", "model": "LeNet"})
     return 0
 

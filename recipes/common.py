@@ -124,6 +124,15 @@ def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--warmup-epochs", type=non_negative_float, default=0.0,
                    help="ramp the learning rate up linearly over this many epochs first (fractions allowed)")
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
+                   help="write a training-state checkpoint into OUT_DIR/checkpoints every STEPS optimizer steps "
+                        "(and at every epoch's end); turns on SIGTERM handling: save at the next step, then stop")
+    p.add_argument("--resume", default=None, metavar="{auto,PATH}",
+                   help="continue from a checkpoint: auto = the latest in --out-dir, or a fresh start when there is "
+                        "none (use it in launch lines, so that a restarted job resumes by itself); PATH = that "
+                        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K",
+                   help="how many of the newest checkpoints to keep")
     return p
 
 
@@ -135,10 +144,23 @@ def validate(args: argparse.Namespace) -> None:
     check_out_dir(args.out_dir)
     check_data_dir(args.data_dir)
     check_num_workers(getattr(args, "num_workers", None))
+    check_resume(getattr(args, "resume", None))
     epochs = getattr(args, "epochs", None)
     if epochs is not None and getattr(args, "warmup_epochs", 0) >= epochs:
         raise ParallelxError(f"--warmup-epochs {args.warmup_epochs} must be less than --epochs {epochs}: the "
                              "learning rate would never reach --lr")
+
+
+def check_resume(resume: str | None) -> None:
+    """``--resume PATH`` must name something that exists (whether it holds a
+    usable checkpoint is checked when it is read)."""
+    if resume is None or resume == "auto":
+        return
+    if not resume:
+        raise ParallelxError("--resume needs 'auto' or the path of a checkpoint directory")
+    if not Path(resume).exists():
+        raise ParallelxError(f"--resume {resume}: no such checkpoint (a directory such as "
+                             "OUT_DIR/checkpoints/step-00000120); use --resume auto to take the latest when there is one")
 
 
 def check_num_workers(workers: int | None) -> None:

@@ -15,19 +15,22 @@ import csv
 import os
 import pickle
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Sampler, Subset
 from torchvision import transforms
 
 from parallelx import warn
 from parallelx.errors import ParallelxError
+
+if TYPE_CHECKING:
+    from parallelx import ShardedSampler
 
 CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -436,3 +439,58 @@ def load_dogcat(data_dir: str | Path, image_size: int, *, val_fraction: float = 
     train_idx, val_idx = split_indices(len(files), val_fraction, seed)
     return (Subset(DogCatDataset(files, labels, image_size, train=True), train_idx),
             Subset(DogCatDataset(files, labels, image_size, train=False), val_idx))
+
+
+# --------------------------------------------- reproducible augmentation
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation: a mix of the run's seed, the
+    epoch and the dataset index (the same on every rank, in every worker
+    process, at every world size, before and after a resume)."""
+    x = seed % 2**64
+    for v in (epoch, index):
+        x = (x * 6364136223846793005 + v + 1442695040888963407) % 2**64
+        x ^= x >> 29
+    return x % 2**63
+
+
+class EpochKeys(Sampler):
+    """Hands out ``(epoch, index)`` keys for :class:`SeededSamples`: the
+    indices of ``sampler`` (a :class:`parallelx.ShardedSampler`) tagged with
+    the epoch of the pass they belong to.  The DataLoader draws them in the
+    main process and sends them to its workers, so the epoch a worker sees is
+    the one of the pass, even with ``persistent_workers``."""
+
+    def __init__(self, sampler: ShardedSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        indices = iter(self.sampler)  # starts the pass: last_epoch is now this pass's epoch
+        epoch = self.sampler.last_epoch
+        return ((epoch, i) for i in indices)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class SeededSamples(Dataset):
+    """``dataset`` indexed by ``(epoch, index)`` keys, returning ``(x, y,
+    index)``: each sample's random augmentation runs on torch's generator
+    seeded from ``(seed, epoch, index)`` alone, then the generator is put
+    back.  The flips are then the same whichever process, worker or rank
+    loads the sample, so a run resumed mid-epoch, with or without worker
+    processes, at another world size, sees the images the uninterrupted run
+    saw; and loading never draws from the training process's generator."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Any, Any, int]:
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator only: torch.manual_seed would also reseed CUDA's, outside the fork.
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
+            x, y = self.dataset[index]
+        return x, y, index

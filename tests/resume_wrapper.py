@@ -1,0 +1,111 @@
+"""The CIFAR-10 recipe with faults injected, for tests/test_resume.py.
+
+Runs ``recipes.cifar10.main()`` unchanged, after patching three places to
+fail on purpose, as the environment says:
+
+``PXT_ACTIONS``  ``attempt:what@k:rank`` items separated by ``;``, where
+                 attempt is ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun),
+                 what is
+                 ``kill``   SIGKILL this process after its k-th optimizer step;
+                 ``term``   SIGTERM to this process after its k-th optimizer step
+                            (a preemption that reached one rank only);
+                 ``write``  SIGKILL in the middle of its k-th checkpoint file write
+                            (the file is half written, not yet published);
+                 ``val``    SIGKILL at the start of its k-th validation pass.
+``PXT_DELAY``    seconds to sleep after every optimizer step (so that a test
+                 can act from outside while the job runs).
+``PXT_PIDS``     a folder: this process writes ``rank<R>-attempt<A>.pid`` there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import parallelx.trainstate  # noqa: E402
+import recipes.cifar10  # noqa: E402
+import recipes.engine  # noqa: E402
+from parallelx.protocol import Backend  # noqa: E402
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+RANK = int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or "0")
+
+
+def _actions() -> dict[str, int]:
+    """``{what: k}`` for this attempt and rank."""
+    found = {}
+    for item in filter(None, os.environ.get("PXT_ACTIONS", "").split(";")):
+        attempt, rest = item.split(":", 1)
+        what_k, rank = rest.rsplit(":", 1)
+        what, k = what_k.split("@")
+        if int(attempt) == ATTEMPT and int(rank) == RANK:
+            found[what] = int(k)
+    return found
+
+
+ACTIONS = _actions()
+DELAY = float(os.environ.get("PXT_DELAY", "0"))
+_count = {"step": 0, "write": 0, "val": 0}
+
+
+def _die(why: str) -> None:
+    print(f"resume_wrapper: rank {RANK} attempt {ATTEMPT}: {why}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_step = Backend.step
+
+
+def step(self, optimizer, scheduler=None):  # type: ignore[no-untyped-def]
+    result = _step(self, optimizer, scheduler)
+    if result is not None:
+        _count["step"] += 1
+        if ACTIONS.get("kill") == _count["step"]:
+            _die(f"SIGKILL after step {_count['step']}")
+        if ACTIONS.get("term") == _count["step"]:
+            print(f"resume_wrapper: rank {RANK} attempt {ATTEMPT}: SIGTERM after step {_count['step']}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        if DELAY:
+            time.sleep(DELAY)
+    return result
+
+
+_write = parallelx.trainstate._write
+
+
+def write(obj, path):  # type: ignore[no-untyped-def]
+    _count["write"] += 1
+    if ACTIONS.get("write") == _count["write"]:
+        with open(path, "wb") as f:  # what a write cut short leaves behind
+            f.write(b"PK\x03\x04 half a checkpoint")
+            f.flush()
+        _die(f"SIGKILL while writing {path}")
+    return _write(obj, path)
+
+
+_run_epoch = recipes.engine.run_epoch
+
+
+def run_epoch(*args, **kwargs):  # type: ignore[no-untyped-def]
+    if kwargs.get("optimizer") is None:
+        _count["val"] += 1
+        if ACTIONS.get("val") == _count["val"]:
+            _die(f"SIGKILL at the start of validation pass {_count['val']}")
+    return _run_epoch(*args, **kwargs)
+
+
+Backend.step = step  # type: ignore[method-assign]
+parallelx.trainstate._write = write
+recipes.engine.run_epoch = run_epoch
+
+if os.environ.get("PXT_PIDS"):
+    Path(os.environ["PXT_PIDS"]).mkdir(parents=True, exist_ok=True)
+    (Path(os.environ["PXT_PIDS"]) / f"rank{RANK}-attempt{ATTEMPT}.pid").write_text(str(os.getpid()))
+
+if __name__ == "__main__":
+    sys.exit(recipes.cifar10.main())

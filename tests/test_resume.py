@@ -1,0 +1,362 @@
+"""Checkpoints and resuming of the recipes, and surviving failures, under the
+real launchers (CIFAR-10 recipe, 256 generated images, 2 epochs of 4
+optimizer steps: 2 processes x 16 images x --accumulate 2, a cosine schedule
+with warm-up).
+
+The reference is one uninterrupted ``torchrun`` run without any checkpoint
+option.  Faults come from ``tests/resume_wrapper.py`` (the recipe with a
+SIGKILL or SIGTERM injected at a chosen point of a chosen attempt and rank)
+or from the test itself (SIGKILL to a rank, SIGTERM to the launcher):
+
+- same backend and world size: ``last.pth`` bitwise equal, ``history.csv``
+  equal but for its timing columns;
+- across backends (deepspeed ZeRO-3 -> horovod -> ddp, deepspeed ZeRO-2
+  under torchrun): within REL_TOL_BACKEND;
+- across world sizes (2 -> 1 -> 2 processes, the global batch kept):
+  every sample of each epoch trained on exactly once, weights within
+  REL_TOL_WORLD;
+- a checkpoint that cannot be honoured: one ``error:`` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from launching import BIN, ROOT, launcher_for, require_launcher
+
+from parallelx.launch import free_port
+
+EPOCHS, N_TRAIN, N_TEST = 2, 256, 32
+ARGS = ["--epochs", str(EPOCHS), "--lr", "0.05", "--accumulate", "2", "--lr-schedule", "cosine",
+        "--warmup-epochs", "0.5"]
+# Across backends only the order of float additions in the gradient average differs (1e-7 measured).
+REL_TOL_BACKEND = 1e-6
+# Across world sizes the global batch is the same samples (2 x 16 or 1 x 32) but
+# the mean is taken in another order: float32 rounding, measured 1e-7.
+REL_TOL_WORLD = 1e-5
+TIMING = ("epoch_time_s", "train_images_per_s", "val_images_per_s")
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from recipes.make_data import make_cifar10
+
+    out = tmp_path_factory.mktemp("cifar")
+    make_cifar10(out, n_train=N_TRAIN, n_test=N_TEST, seed=0)
+    return out
+
+
+def job(launcher: str, args: list[str], out: Path, data: Path, *, nproc: int = 2, restarts: int | None = None,
+        batch: int = 16, workers: int = 0, env: dict[str, str] | None = None, timeout: float = 150,
+        while_running=None, wrapper: bool = True) -> tuple[int, str]:
+    """Run the recipe (through the fault wrapper) under ``launcher``; return (exit status, output)."""
+    require_launcher(launcher)
+    spec = launcher_for(launcher)
+    port = free_port()
+    target = "tests/resume_wrapper.py" if wrapper else "recipes/cifar10.py"
+    cmd = spec.command([target, "--data-dir", str(data), "--out-dir", str(out), "--batch-size", str(batch),
+                        "--num-workers", str(workers), *ARGS, *args], nproc, port=port)
+    if restarts is not None:
+        cmd[1:1] = ["--max-restarts", str(restarts)]
+    full = dict(os.environ)
+    full.update(PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="60", PYTHONFAULTHANDLER="1",
+                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **spec.env(), **(env or {}))
+    log = out.parent / f"{out.name}-{time.monotonic_ns()}.log"
+    # Output to a file: ranks live in sessions of their own (torchrun's) and a
+    # pipe would stay open as long as any of them does.
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        if while_running is not None:
+            while_running(proc)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        pytest.fail(f"{' '.join(cmd[:4])} hung for more than {timeout:.0f}s:\n" + tail(log))
+    finally:
+        kill_tree(proc.pid)
+        cleanup = launcher_for("deepspeed").cleanup
+        if cleanup is not None:  # a SIGKILLed deepspeed rank leaves its shared-memory buffers
+            cleanup(port)
+    output = log.read_text(errors="replace").replace("\r", "\n")
+    return proc.returncode, output
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (ranks, loader workers), if any is left."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def tail(log: Path, n: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").replace("\r", "\n").splitlines()[-n:])
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "last.pth", weights_only=True)
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).norm() / max(float(b[k].double().norm()), 1e-12)) for k in b)
+
+
+def assert_bitwise(out: Path, ref: Path) -> None:
+    a, b = weights(out), weights(ref)
+    assert a.keys() == b.keys()
+    bad = [k for k in b if not torch.equal(a[k], b[k])]
+    assert not bad, f"last.pth differs from the uninterrupted run's in {bad} (rel. error {rel_err(a, b):.3g})"
+    assert history(out) == history(ref), "history.csv differs from the uninterrupted run's"
+
+
+def history(out: Path) -> list[dict[str, str]]:
+    with open(out / "history.csv") as f:
+        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > end:
+            pytest.fail(f"no {what} after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def latest_step(out: Path) -> int:
+    latest = out / "checkpoints" / "latest"
+    try:
+        return int(latest.read_text().strip().split("-")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def resumed_from(output: str) -> list[str]:
+    return [line.split("resuming from ", 1)[1].split(":", 1)[0].rsplit("/", 1)[1]
+            for line in output.splitlines() if "resuming from " in line]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """The uninterrupted run: the plain recipe under torchrun, no checkpoint option."""
+    out = tmp_path_factory.mktemp("reference")
+    rc, output = job("torchrun", [], out, data, wrapper=False)
+    assert rc == 0, output[-3000:]
+    assert not (out / "checkpoints").exists(), "no checkpoint option: no checkpoints"
+    return out
+
+
+def test_torchrun_restarts_after_kills_anywhere_and_ends_bitwise_equal(data, reference, tmp_path):
+    """One job, three failures, each on its own attempt, with a loader worker per process:
+    attempt 0 loses rank 1 after step 3; attempt 1 loses rank 0 half-way through writing
+    its checkpoint file (epoch 1's last); attempt 2 loses rank 1 at the start of epoch 2's
+    validation; attempt 3 finishes."""
+    out = tmp_path / "out"
+    rc, output = job("torchrun", ["--checkpoint-every", "1", "--resume", "auto", "--keep-checkpoints", "2"], out,
+                     data, restarts=3, workers=1,
+                     env={"PXT_ACTIONS": "0:kill@3:1;1:write@4:0;2:val@2:1"})
+    assert rc == 0, output[-4000:]
+    for why in ("rank 1 attempt 0: SIGKILL after step 3", "rank 0 attempt 1: SIGKILL while writing",
+                "rank 1 attempt 2: SIGKILL at the start of validation pass 2"):
+        assert why in output, f"the fault was not injected: {why}"
+    # Attempt 1 wrote step 3 and died writing step 4's state.pt: step 3 survived and was taken.
+    assert resumed_from(output) == ["step-00000002", "step-00000003", "step-00000007"]
+    assert_bitwise(out, reference)
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert left == ["latest", "step-00000007", "step-00000008"], left  # kept 2, half-written ones removed
+
+
+def test_rank_killed_from_outside_during_epoch_2(data, reference, tmp_path):
+    out, pids = tmp_path / "out", tmp_path / "pids"
+
+    def kill_rank_1(proc: subprocess.Popen) -> None:
+        wait_for(lambda: latest_step(out) >= 5, proc, "checkpoint of epoch 2")
+        os.kill(int((pids / "rank1-attempt0.pid").read_text()), signal.SIGKILL)
+
+    rc, output = job("torchrun", ["--checkpoint-every", "1", "--resume", "auto"], out, data, restarts=1,
+                     env={"PXT_DELAY": "0.3", "PXT_PIDS": str(pids)}, while_running=kill_rank_1)
+    assert rc == 0, output[-4000:]
+    assert (pids / "rank1-attempt1.pid").exists(), "the workers were not restarted"
+    steps = [int(name.split("-")[1]) for name in resumed_from(output)]
+    assert len(steps) == 1 and steps[0] >= 5, output[-3000:]
+    assert_bitwise(out, reference)
+
+
+def test_deepspeed_backend_under_torchrun_survives_a_killed_rank(data, reference, tmp_path):
+    require_launcher("deepspeed")
+    out = tmp_path / "out"
+    rc, output = job("torchrun", ["--backend", "deepspeed", "--zero-stage", "2", "--checkpoint-every", "2",
+                                  "--resume", "auto"], out, data, restarts=1, env={"PXT_ACTIONS": "0:kill@6:1"})
+    assert rc == 0, output[-4000:]
+    assert "backend=deepspeed world_size=2" in output
+    assert resumed_from(output) == ["step-00000004"]  # the epoch-1 end; step 6 died before its save
+    err = rel_err(weights(out), weights(reference))
+    assert err < REL_TOL_BACKEND, f"deepspeed ZeRO-2 resumed vs ddp uninterrupted: {err:.3g}"
+
+
+def test_sigterm_to_torchrun_saves_together_and_the_next_launch_resumes(data, reference, tmp_path):
+    out = tmp_path / "out"
+    times = {}
+
+    def preempt(proc: subprocess.Popen) -> None:
+        wait_for(lambda: latest_step(out) >= 4, proc, "epoch 1's checkpoint")
+        times["sent"] = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun's agent: it forwards SIGTERM to every worker
+        proc.wait(60)
+        times["ended"] = time.monotonic()
+
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, env={"PXT_DELAY": "0.3"}, while_running=preempt)
+    assert "preempted (SIGTERM): checkpoint written at epoch 2" in output, output[-3000:]
+    assert times["ended"] - times["sent"] < 20, "the workers did not stop within a step or two"
+    assert not (out / "last.pth").exists()
+    assert latest_step(out) > 4, "the preemption checkpoint is inside epoch 2"
+    saved = latest_step(out)
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, wrapper=False)
+    assert rc == 0, output[-3000:]
+    assert resumed_from(output) == [f"step-{saved:08d}"]
+    assert_bitwise(out, reference)
+
+
+def test_across_backends_zero3_then_horovod_then_ddp(data, reference, tmp_path):
+    """Saved under deepspeed ZeRO-3 (SIGTERM to the deepspeed launcher, which passes it
+    to its workers), continued under horovod (preempted on rank 1 only), ended under ddp."""
+    require_launcher("deepspeed")
+    require_launcher("horovodrun")
+    out = tmp_path / "out"
+
+    def preempt(proc: subprocess.Popen) -> None:
+        wait_for(lambda: latest_step(out) >= 2, proc, "the first checkpoint")
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher's process group, as a shell's kill or a scheduler does
+
+    rc, output = job("deepspeed", ["--backend", "deepspeed", "--zero-stage", "3", "--checkpoint-every", "2",
+                                   "--resume", "auto"], out, data, env={"PXT_DELAY": "0.3"}, while_running=preempt)
+    assert "preempted (SIGTERM)" in output, output[-3000:]
+    first = latest_step(out)
+    assert 2 <= first < 8
+    rc, output = job("horovodrun", ["--backend", "horovod", "--resume", "auto"], out, data,
+                     env={"PXT_ACTIONS": "0:term@1:1"})
+    assert rc == 0 and "preempted (SIGTERM)" in output, output[-3000:]
+    assert "written by deepspeed with 2 process(es)" in output
+    assert latest_step(out) == first + 1 or latest_step(out) == 4  # the next step, or epoch 1's end
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, wrapper=False)
+    assert rc == 0, output[-3000:]
+    assert "written by horovod with 2 process(es)" in output
+    err = rel_err(weights(out), weights(reference))
+    assert err < REL_TOL_BACKEND, f"zero3 -> horovod -> ddp vs ddp uninterrupted: {err:.3g}"
+
+
+def test_across_world_sizes_every_sample_once(data, reference, tmp_path):
+    """2 processes (rank 1 alone gets SIGTERM after step 6) -> 1 process with the same
+    global batch (SIGTERM after one step) -> 2 processes to the end."""
+    out, logs = tmp_path / "out", tmp_path / "samples"
+    env = {"PARALLELX_LOG_SAMPLES": str(logs)}
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, env={**env, "PXT_ACTIONS": "0:term@6:1"})
+    assert "preempted (SIGTERM)" in output and latest_step(out) == 6, output[-3000:]
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, nproc=1, batch=32,
+                     env={**env, "PXT_ACTIONS": "0:term@1:0"})
+    assert "preempted (SIGTERM)" in output and latest_step(out) == 7, output[-3000:]
+    assert "was written by 2 rank(s), this run has 1" in output
+    rc, output = job("torchrun", ["--resume", "auto"], out, data, env=env)
+    assert rc == 0, output[-3000:]
+    seen: dict[int, Counter[int]] = {e: Counter() for e in range(1, EPOCHS + 1)}
+    for f in logs.iterdir():
+        for line in f.read_text().splitlines():
+            epoch, *indices = map(int, line.split())
+            seen[epoch].update(indices)
+    for epoch, count in seen.items():
+        assert sorted(count) == list(range(N_TRAIN)), f"epoch {epoch}: samples missed"
+        assert max(count.values()) == 1, f"epoch {epoch}: samples trained twice: {[i for i, c in count.items() if c > 1][:5]}"
+    err = rel_err(weights(out), weights(reference))
+    assert err < REL_TOL_WORLD, f"2 -> 1 -> 2 processes vs 2 uninterrupted: {err:.3g}"
+
+
+# ----------------------------------------------- what cannot be honoured
+def _main(argv: list[str], capsys) -> tuple[int, str]:
+    import recipes.cifar10
+
+    try:
+        code = recipes.cifar10.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_mismatches_fail_with_one_line(data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    base = ["--backend", "single", "--data-dir", str(data), "--out-dir", str(out), "--epochs", "1",
+            "--batch-size", "16", "--num-workers", "0", "--max-steps", "2"]
+    code, err = _main([*base, "--checkpoint-every", "1"], capsys)
+    assert code == 0, err
+    ckpt = out / "checkpoints" / "step-00000002"
+    assert ckpt.is_dir()
+
+    def fails(argv: list[str], expected: str) -> None:
+        code, err = _main(argv, capsys)
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+    fails([*base, "--resume", str(tmp_path / "missing")], "no such checkpoint")
+    import recipes.cifar10
+    from recipes.models import LeNet
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim, "SGD", lambda params, lr, momentum: torch.optim.Adam(params, lr=lr))
+        fails([*base, "--resume", str(ckpt)], "holds the state of a SGD optimizer, this run uses Adam")
+    with monkeypatch.context() as m:
+        m.setattr(recipes.cifar10, "LeNet", lambda num_classes: LeNet(num_classes=7))
+        fails([*base, "--resume", str(ckpt)], "does not fit this model")
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state["extra"]["recipe"] = "dogcat"
+    other = tmp_path / "other" / "step-00000002"
+    shutil.copytree(ckpt, other)
+    torch.save(state, other / "state.pt")
+    fails([*base, "--resume", str(other)], "is of the 'dogcat' recipe, this is 'cifar10'")
+    (other / "state.pt").write_bytes((ckpt / "state.pt").read_bytes()[:300])
+    fails([*base, "--resume", str(other)], "cannot be read")
+    # auto with nothing there: a fresh start, said in one line.
+    code, _ = _main([*base, "--out-dir", str(tmp_path / "fresh"), "--resume", "auto"], capsys)
+    assert code == 0
+
+
+def test_preemption_module_agrees_and_restores_the_handler():
+    import parallelx
+
+    before = signal.getsignal(signal.SIGTERM)
+    backend = parallelx.get_backend("single")
+    backend.init()
+    with parallelx.Preemption() as p:
+        assert p.active and not p.should_stop(backend)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert p.requested and p.should_stop(backend) and p.signal == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+    backend.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
