@@ -39,11 +39,11 @@ from parallelx.launch import free_port
 EPOCHS, N_TRAIN, N_TEST = 2, 256, 32
 ARGS = ["--epochs", str(EPOCHS), "--lr", "0.05", "--accumulate", "2", "--lr-schedule", "cosine",
         "--warmup-epochs", "0.5"]
-# Across backends only the order of float additions in the gradient average differs (1e-7 measured).
+# Across backends only the order of float additions in the gradient average differs (2.8e-8 measured).
 REL_TOL_BACKEND = 1e-6
 # Across world sizes the global batch is the same samples (2 x 16 or 1 x 32) but
-# the mean is taken in another order: float32 rounding, measured 1e-7.
-REL_TOL_WORLD = 1e-5
+# the mean is taken in another order: float32 rounding (measured 1.1e-8).
+REL_TOL_WORLD = 1e-6
 TIMING = ("epoch_time_s", "train_images_per_s", "val_images_per_s")
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
@@ -216,6 +216,7 @@ def test_deepspeed_backend_under_torchrun_survives_a_killed_rank(data, reference
     assert "backend=deepspeed world_size=2" in output
     assert resumed_from(output) == ["step-00000004"]  # the epoch-1 end; step 6 died before its save
     err = rel_err(weights(out), weights(reference))
+    print(f"relative error of last.pth against the uninterrupted ddp run: {err:.3g}")
     assert err < REL_TOL_BACKEND, f"deepspeed ZeRO-2 resumed vs ddp uninterrupted: {err:.3g}"
 
 
@@ -250,8 +251,13 @@ def test_across_backends_zero3_then_horovod_then_ddp(data, reference, tmp_path):
     out = tmp_path / "out"
 
     def preempt(proc: subprocess.Popen) -> None:
+        import psutil
+
         wait_for(lambda: latest_step(out) >= 2, proc, "the first checkpoint")
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         os.killpg(proc.pid, signal.SIGTERM)  # the launcher's process group, as a shell's kill or a scheduler does
+        _, alive = psutil.wait_procs(tree, timeout=60)  # the runner dies at once; its workers save first
+        assert not alive, "workers still running a minute after SIGTERM"
 
     rc, output = job("deepspeed", ["--backend", "deepspeed", "--zero-stage", "3", "--checkpoint-every", "2",
                                    "--resume", "auto"], out, data, env={"PXT_DELAY": "0.3"}, while_running=preempt)
@@ -260,13 +266,14 @@ def test_across_backends_zero3_then_horovod_then_ddp(data, reference, tmp_path):
     assert 2 <= first < 8
     rc, output = job("horovodrun", ["--backend", "horovod", "--resume", "auto"], out, data,
                      env={"PXT_ACTIONS": "0:term@1:1"})
-    assert rc == 0 and "preempted (SIGTERM)" in output, output[-3000:]
+    assert rc == 0 and "preempted (a stop request on another rank)" in output, output[-3000:]
     assert "written by deepspeed with 2 process(es)" in output
     assert latest_step(out) == first + 1 or latest_step(out) == 4  # the next step, or epoch 1's end
     rc, output = job("torchrun", ["--resume", "auto"], out, data, wrapper=False)
     assert rc == 0, output[-3000:]
     assert "written by horovod with 2 process(es)" in output
     err = rel_err(weights(out), weights(reference))
+    print(f"relative error of last.pth against the uninterrupted ddp run: {err:.3g}")
     assert err < REL_TOL_BACKEND, f"zero3 -> horovod -> ddp vs ddp uninterrupted: {err:.3g}"
 
 
@@ -276,7 +283,7 @@ def test_across_world_sizes_every_sample_once(data, reference, tmp_path):
     out, logs = tmp_path / "out", tmp_path / "samples"
     env = {"PARALLELX_LOG_SAMPLES": str(logs)}
     rc, output = job("torchrun", ["--resume", "auto"], out, data, env={**env, "PXT_ACTIONS": "0:term@6:1"})
-    assert "preempted (SIGTERM)" in output and latest_step(out) == 6, output[-3000:]
+    assert "preempted (a stop request on another rank)" in output and latest_step(out) == 6, output[-3000:]
     rc, output = job("torchrun", ["--resume", "auto"], out, data, nproc=1, batch=32,
                      env={**env, "PXT_ACTIONS": "0:term@1:0"})
     assert "preempted (SIGTERM)" in output and latest_step(out) == 7, output[-3000:]
@@ -292,6 +299,7 @@ def test_across_world_sizes_every_sample_once(data, reference, tmp_path):
         assert sorted(count) == list(range(N_TRAIN)), f"epoch {epoch}: samples missed"
         assert max(count.values()) == 1, f"epoch {epoch}: samples trained twice: {[i for i, c in count.items() if c > 1][:5]}"
     err = rel_err(weights(out), weights(reference))
+    print(f"relative error of last.pth against the uninterrupted ddp run: {err:.3g}")
     assert err < REL_TOL_WORLD, f"2 -> 1 -> 2 processes vs 2 uninterrupted: {err:.3g}"
 
 
