@@ -32,6 +32,48 @@ class Impl:
     paired: bool = False  # runs the plain and the parallelx step itself (benchmarks.same_process)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """One configuration of ``benchmarks.loops``: a backend with training-loop
+    options (parallelx's command-line flags), through ``benchmarks.loop_worker``."""
+
+    name: str
+    backend: str
+    options: tuple[str, ...]
+    label: str
+    buys: str  # what the option changes, for the report
+
+
+#: Micro-batches per optimizer step in the accumulating configurations.
+LOOP_ACCUMULATE = 4
+_ACC = ("--accumulate", str(LOOP_ACCUMULATE))
+#: benchmarks.loops: the baseline first (one process with all the cores), then
+#: plain DDP and each option alone and together.  The last three are optional.
+LOOPS = (
+    LoopConfig(name="single", backend="single", options=(), label="1 process (all cores)",
+               buys="the baseline: no communication, both cores in one process's torch threads"),
+    LoopConfig(name="single-acc4", backend="single", options=_ACC, label=f"1 process, accumulate {LOOP_ACCUMULATE}",
+               buys="one optimizer step per 4 micro-batches (the only saving accumulation gives one process)"),
+    LoopConfig(name="ddp", backend="ddp", options=(), label="DDP", buys="one gradient all-reduce per micro-batch"),
+    LoopConfig(name="ddp-acc4", backend="ddp", options=_ACC, label=f"DDP, accumulate {LOOP_ACCUMULATE}",
+               buys="one all-reduce (and one optimizer step) per 4 micro-batches: DDP's no_sync inside the window"),
+    LoopConfig(name="ddp-bf16", backend="ddp", options=("--grad-compression", "bf16"), label="DDP, bf16 gradients",
+               buys="half the bytes on the wire (bfloat16 comm hook), for two casts per step"),
+    LoopConfig(name="ddp-acc4-bf16", backend="ddp", options=(*_ACC, "--grad-compression", "bf16"),
+               label=f"DDP, accumulate {LOOP_ACCUMULATE} + bf16",
+               buys="both: a quarter of the all-reduces, each half as large"),
+    LoopConfig(name="ddp-fp16", backend="ddp", options=("--grad-compression", "fp16"), label="DDP, fp16 gradients",
+               buys="half the bytes on the wire (float16 comm hook)"),
+    LoopConfig(name="horovod-acc4", backend="horovod", options=_ACC, label=f"Horovod, accumulate {LOOP_ACCUMULATE}",
+               buys="Horovod's backward_passes_per_step: one allreduce per window"),
+    LoopConfig(name="deepspeed-acc4", backend="deepspeed", options=(*_ACC, "--zero-stage", "0"),
+               label=f"DeepSpeed ZeRO 0, accumulate {LOOP_ACCUMULATE}",
+               buys="DeepSpeed's gradient_accumulation_steps: one allreduce per window"),
+)
+#: What ``python -m benchmarks.loops`` runs unless told otherwise.
+LOOPS_DEFAULT = ("single", "single-acc4", "ddp", "ddp-acc4", "ddp-bf16", "ddp-acc4-bf16")
+
+
 def _impls() -> dict[str, Impl]:
     out = []
     for f in FAMILIES:
@@ -46,6 +88,8 @@ def _impls() -> dict[str, Impl]:
             for f in FAMILIES]
     out += [Impl(name=f"same-{f}", family=f, module="benchmarks.same_process", args=("--backend", f),
                  label=f"{TITLES[f]} (same process)", paired=True) for f in FAMILIES]
+    out += [Impl(name=f"loop-{c.name}", family=c.backend, module="benchmarks.loop_worker",
+                 args=("--backend", c.backend, *c.options), label=c.label) for c in LOOPS]
     return {i.name: i for i in out}
 
 

@@ -111,3 +111,28 @@ def test_overhead_scaling_and_loader_are_reported(smoke):
     assert "error" not in loader, loader.get("error")
     assert all(r["images_per_s"] > 0 for r in loader["results"])
     assert loader["model"], "no VGG16 throughput to compare the loader with"
+
+
+@pytest.mark.timeout(150)
+def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
+    # benchmarks.loops at its smallest: the 1-process baseline and 2 DDP
+    # processes with accumulation and bf16 gradients, through the loop options.
+    if why := unavailable("ddp"):
+        pytest.skip(why)
+    out, work = tmp_path / "results", tmp_path / "work"
+    cmd = [sys.executable, "-m", "benchmarks.loops", "--smoke", "--only", "single,ddp-acc4-bf16",
+           "--out-dir", str(out), "--raw", str(tmp_path / "raw.json"), "--work-dir", str(work)]
+    rc, output = run_with_grace(cmd, timeout=120, grace=15, what="benchmarks.loops --smoke")
+    assert rc == 0, f"benchmarks.loops --smoke exited {rc}:\n{output[-6000:]}"
+    assert (out / "results.md").read_text().startswith("# Training-loop options")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {t["config"]: t for t in summary["table"]}
+    assert set(rows) == {"single", "ddp-acc4-bf16"} and summary["failures"] == []
+    assert (rows["single"]["procs"], rows["single"]["micro_batch"]) == (1, 2 * rows["ddp-acc4-bf16"]["micro_batch"])
+    assert rows["ddp-acc4-bf16"]["vs_single"]["ratio"] > 0
+    reports = [json.loads(p.read_text()) for p in (work / "out").glob("loop-ddp-acc4-bf16-*/*.rank*.json")]
+    assert len(reports) == 2
+    for rep in reports:
+        # The options reached the backend, and the timed micro-batches made whole windows.
+        assert rep["options"]["accumulate"] == 4 and rep["options"]["grad_compression"] == "bf16"
+        assert len(rep["window_times_s"]) == rep["case"]["steps"] // 4
