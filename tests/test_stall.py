@@ -25,17 +25,15 @@ ENDS_WITHIN_S = 90
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
 
-# Where the framework alone would wait for ever (measured without the
-# watchdog): Horovod's all-reduce for a sleeping peer (its stall inspector does
-# end a SIGSTOPped one), DeepSpeed's shared-memory all-reduce (ZeRO 0-2).  DDP
-# and ZeRO-3's reduce-scatter go through Gloo, whose timeout ends them first.
-WATCHDOG_ENDS = {"horovod", "deepspeed-zero0"}
-
+# Where the framework alone waits for ever (the issue measured both: a
+# sleeping peer kept Horovod's all-reduce waiting the whole 120 s; a SIGSTOPped
+# one kept a DeepSpeed recipe hanging): Horovod's Gloo controller and
+# DeepSpeed's shared-memory all-reduce (ZeRO 0-2).  DDP and ZeRO-3's
+# reduce-scatter go through Gloo, whose own timeout ends them (DDP:
+# tests/test_failures.py).
 CASES = {
-    "ddp": ("torchrun", "ddp", []),
     "horovod": ("horovodrun", "horovod", []),
     "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
 }
 
 
@@ -47,12 +45,11 @@ def test_sleeping_rank_ends_the_job(case, tmp_path):
                             "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
     assert res.returncode != 0, res.tail()
     assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
-    if case in WATCHDOG_ENDS:
-        assert "another rank is stalled or gone" in res.output, res.tail()
-        assert f"exit status {EXIT_STALLED}" in res.output
+    assert "another rank is stalled or gone" in res.output, res.tail()
+    assert f"exit status {EXIT_STALLED}" in res.output
 
 
-@pytest.mark.parametrize("case", ["deepspeed-zero0", "horovod"])
+@pytest.mark.parametrize("case", ["deepspeed-zero0"])
 def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
     """SIGSTOP from outside, as a debugger or a swapping machine would."""
     launcher, backend, extra = CASES[case]
@@ -86,6 +83,5 @@ def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
         if spec.cleanup is not None:
             spec.cleanup(port)
     assert proc.returncode != 0
-    if case == "deepspeed-zero0":  # Horovod's stall inspector ends a frozen peer by itself
-        assert "another rank is stalled or gone" in out, out[-3000:]
+    assert "another rank is stalled or gone" in out, out[-3000:]
     assert ended < TIMEOUT_S + 45, f"ended {ended:.0f}s after the freeze"
