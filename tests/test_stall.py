@@ -25,7 +25,7 @@ ENDS_WITHIN_S = 90
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
 
-# Where the framework alone waits for ever (the issue measured both: a
+# Where the framework alone waits for ever (measured before the watchdog: a
 # sleeping peer kept Horovod's all-reduce waiting the whole 120 s; a SIGSTOPped
 # one kept a DeepSpeed recipe hanging): Horovod's Gloo controller and
 # DeepSpeed's shared-memory all-reduce (ZeRO 0-2).  DDP and ZeRO-3's
