@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 -m recipes.cifar10 --backend ddp --data-dir data/cifar10
     horovodrun -np 2 python -m recipes.cifar10 --backend horovod --data-dir data/cifar10
     deepspeed --num_gpus 2 recipes/cifar10.py --backend deepspeed --zero-stage 2 --data-dir data/cifar10
+    torchrun --nproc-per-node 2 --max-restarts 3 -m recipes.cifar10 --backend ddp --data-dir data/cifar10 \
+        --checkpoint-every 100 --resume auto       # restarted after a failure, it continues from a checkpoint
 
 ``--data-dir`` is a ``cifar-10-batches-py`` folder or its parent; ``--download``
 fetches the official files there.  No network?  ``python -m recipes.make_data

@@ -160,7 +160,8 @@ def check_resume(resume: str | None) -> None:
         raise ParallelxError("--resume needs 'auto' or the path of a checkpoint directory")
     if not Path(resume).exists():
         raise ParallelxError(f"--resume {resume}: no such checkpoint (a directory such as "
-                             "OUT_DIR/checkpoints/step-00000120); use --resume auto to take the latest when there is one")
+                             "OUT_DIR/checkpoints/step-00000120); use --resume auto to take the latest when there "
+                             "is one")
 
 
 def check_num_workers(workers: int | None) -> None:

@@ -362,7 +362,8 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
             if tr.get("stopped"):
                 return _preempted(backend, preempt, run)
             backend.print(f"train Loss: {tr['loss']:.4f} Acc: {tr['acc']:.4f} lr: {tr['lr']:.6g} "
-                          f"grad norm: {tr['grad_norm']:.4f}" + (f" skipped steps: {tr['skipped']}" if tr["skipped"] else ""))
+                          f"grad norm: {tr['grad_norm']:.4f}"
+                          + (f" skipped steps: {tr['skipped']}" if tr["skipped"] else ""))
             if not math.isfinite(tr["loss"]):  # all-reduced: every rank stops together
                 raise ParallelxError(f"the training loss is {tr['loss']} in epoch {epoch}: the weights diverged; "
                                      "lower --lr and run again")
