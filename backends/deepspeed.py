@@ -301,6 +301,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         accel = get_accelerator().device_name()
         self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
+        self._init_process_group()  # parallelx's join (a store per torchrun restart); DeepSpeed then adopts it
         deepspeed.init_distributed(dist_backend=self._dist_backend(), verbose=False,
                                    timeout=_dt.timedelta(seconds=self.timeout_s))
         # LOCAL_SIZE is the deepspeed launcher's name for it; under torchrun

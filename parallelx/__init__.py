@@ -15,6 +15,7 @@ from .launch import Launcher
 from .local import LocalBackend
 from .log import warn
 from .metrics import MetricSums, real_mask
+from .preempt import Preemption
 from .process_group import ProcessGroupBackend
 from .protocol import Backend, ReduceOp
 from .registry import available_backends, backend_class, detect_backend, get_backend, register_backend
@@ -32,6 +33,7 @@ __all__ = [
     "LocalBackend",
     "MetricSums",
     "ParallelxError",
+    "Preemption",
     "ProcessGroupBackend",
     "ReduceOp",
     "ShardedSampler",

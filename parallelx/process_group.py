@@ -36,6 +36,24 @@ def wait(work: Any) -> None:
     _RECENT_WORK.append(work)
 
 
+def restart_store(timeout: _dt.timedelta) -> dist.Store | None:
+    """Under torchrun, a store of this attempt's own for the process group.
+
+    torchrun's static rendezvous (``--master-port``, its default) keeps one
+    store, served by the agent, for every restart of a job; the keys the
+    failed attempt's process group wrote there (each rank's address) are
+    still in it, so a restarted rank could read a dead peer's address and
+    fail to connect (``--max-restarts`` then fails on the first restart).
+    Keys under the restart count keep the attempts apart.  None elsewhere:
+    the launcher's ``env://`` rendezvous is used as it is."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"parallelx/attempt-{restart}", agent)
+
+
 class ProcessGroupBackend(Backend):
     """A backend whose processes talk through ``torch.distributed``."""
 
@@ -50,7 +68,13 @@ class ProcessGroupBackend(Backend):
         if missing:
             raise LaunchError(f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
                               f"`{self.launcher.usage()}`")
-        dist.init_process_group(backend=self._dist_backend(), timeout=_dt.timedelta(seconds=self.timeout_s))
+        timeout = _dt.timedelta(seconds=self.timeout_s)
+        store = restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=self._dist_backend(), timeout=timeout)
+        else:
+            dist.init_process_group(backend=self._dist_backend(), timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
     def _dist_backend(self) -> str:
         # NCCL for a process that has its own GPU, else Gloo.

@@ -89,13 +89,16 @@ def save_training_state(
     counters: Mapping[str, int],
     loader_seed: int | None = None,
     keep: int = 3,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a complete training-state checkpoint for ``step`` under
     ``directory/checkpoints/`` and return its path.  **Every rank must call
     this.**  ``counters`` are the loop's integers (epoch, step in epoch, ...);
     ``sampler`` is a :class:`parallelx.ShardedSampler` or the dict its
     ``state_dict(consumed=...)`` returned.  The newest ``keep`` checkpoints
-    are kept, older ones removed once the new one is complete."""
+    are kept, older ones removed once the new one is complete.  ``extra`` is
+    the main rank's own loop state (floats, lists, dicts: metrics so far),
+    stored as given and returned by :func:`load_training_state`."""
     backend._require_init()
     if keep < 1:
         raise ParallelxError(f"save_training_state(keep=...) must be >= 1, got {keep}")
@@ -126,6 +129,7 @@ def save_training_state(
             "sampler": sampler_state,
             "counters": counters,
             "loader_seed": loader_seed,
+            "extra": None if extra is None else plain(extra, "extra"),
         }
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
@@ -203,7 +207,7 @@ def load_training_state(
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_training_state` (by any
     backend, at any world size) into the objects given.  **Every rank must call
-    this.**  Returns ``{"counters": ..., "loader_seed": ..., "meta": ...}``.
+    this.**  Returns ``{"counters": ..., "loader_seed": ..., "meta": ..., "extra": ...}``.
     This rank's random number generators are restored last, so that nothing
     loaded here draws from them afterwards."""
     backend._require_init()
@@ -238,7 +242,8 @@ def load_training_state(
                  "different reduction order" + (", and ranks that had no RNG state start from rank 0's"
                                                  if backend.world_size > meta["world_size"] else ""))
     set_rng_state(rng)  # last: nothing above may shift this rank's random numbers
-    return {"counters": dict(state["counters"]), "loader_seed": state["loader_seed"], "meta": dict(meta)}
+    return {"counters": dict(state["counters"]), "loader_seed": state["loader_seed"], "meta": dict(meta),
+            "extra": state.get("extra")}
 
 
 # ------------------------------------------------------- random numbers
