@@ -58,10 +58,10 @@ class HorovodBackend(Backend):
         # Horovod reads its timeouts from the environment: the Gloo rendezvous
         # timeout, and the stall inspector, which by default only warns about a
         # rank that never joins a collective; make it shut the job down instead.
-        # An explicit parallelx timeout overrides values already set.  Caveat,
-        # seen with 0.28.1 on the Gloo controller: a rank that never joins was
-        # not shut down by the stall inspector; a rank that *exits* is handled
-        # by horovodrun, which then stops every other rank.
+        # An explicit parallelx timeout overrides values already set.  Seen
+        # with 0.28.1 on the Gloo controller: a rank that never joins (asleep)
+        # is not shut down by the stall inspector, hence needs_watchdog; a rank
+        # that *exits* is handled by horovodrun, which then stops every other rank.
         timeout = max(1, int(self.timeout_s))
         for key, value in (("HOROVOD_GLOO_TIMEOUT_SECONDS", timeout),
                            ("HOROVOD_STALL_CHECK_TIME_SECONDS", min(60, timeout)),

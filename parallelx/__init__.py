@@ -23,7 +23,7 @@ from .sampler import ShardedSampler
 from .trainstate import latest_checkpoint, load_training_state, save_training_state
 from .utils import seed_everything
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Backend",

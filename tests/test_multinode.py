@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from launching import BIN, ROOT, Result, launch, launcher_for, require_launcher
@@ -116,6 +117,12 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float) -> lis
             time.sleep(0.2)
     finally:
         for p in procs:
+            # torchrun starts its workers in sessions of their own: kill the tree, then the group.
+            try:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+            except psutil.NoSuchProcess:
+                pass
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # also a leader's orphaned workers
             except ProcessLookupError:
@@ -182,3 +189,30 @@ def test_two_nodes_train_what_one_machine_trains(launcher, cifar_dir, tmp_path):
     differ = {k: (one[k] - two[k]).abs().max().item() for k in one if not torch.equal(one[k], two[k])}
     assert not differ, f"two-node {launcher} trained different weights than one machine (max abs diff): {differ}"
     print(f"{launcher}: one machine {ref.seconds:.1f}s, two nodes {results[0].seconds:.1f}s, weights bit-identical")
+
+
+@pytest.mark.timeout(420)
+def test_two_nodes_survive_a_lost_rank(cifar_dir, tmp_path):
+    """torchrun on two "nodes" with --max-restarts: rank 1 is SIGKILLed after its
+    3rd optimizer step (after the first checkpoint); both agents restart their
+    workers, which resume from the latest checkpoint and finish with last.pth
+    bit-identical to an uninterrupted one-machine run."""
+    require_launcher("torchrun")
+    args = ["--backend", "ddp", "--data-dir", str(cifar_dir), "--epochs", "2", "--batch-size", "16",
+            "--num-workers", "0", "--lr", "0.05", "--checkpoint-every", "2"]
+    ref = launch("torchrun", ["-m", "recipes.cifar10", *args, "--out-dir", str(tmp_path / "ref")], nproc=2,
+                 timeout=NODE_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+    assert ref.returncode == 0, ref.tail()
+
+    port = free_port()
+    target = ["tests/resume_wrapper.py", *args, "--out-dir", str(tmp_path / "two"), "--resume", "auto"]
+    cmds = [[*cmd[:1], "--max-restarts", "2", *cmd[1:]] for cmd in torchrun_nodes(target, port, tmp_path)]
+    env = {**node_env(), "PXT_ACTIONS": "0:kill@3:1"}
+    results = run_nodes(cmds, env, NODE_TIMEOUT_S * 2)
+    assert all(r.returncode == 0 for r in results), f"two-node torchrun did not survive:\n{tails(results)}"
+    output = "\n".join(r.output for r in results)
+    assert "resume_wrapper: rank 1 attempt 0: " in output, "the kill never happened"
+    assert "resuming from " in output, tails(results)
+    one, two = load(tmp_path / "ref" / "last.pth"), load(tmp_path / "two" / "last.pth")
+    differ = [k for k in one if not torch.equal(one[k], two[k])]
+    assert not differ, f"the resumed two-node run ended with other weights in {differ}"
