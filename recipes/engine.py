@@ -22,6 +22,7 @@ What it gets right on every backend:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -70,6 +71,10 @@ class FitConfig:
     def checkpointing(self) -> bool:
         """Checkpoints (and SIGTERM handling) are on when either option asks for them."""
         return self.checkpoint_every is not None or self.resume is not None
+
+    def resumed(self) -> FitConfig:
+        """This configuration, resuming from the latest checkpoint if there is one."""
+        return dataclasses.replace(self, resume="auto")
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -337,6 +342,7 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
                                              keep=cfg.keep_checkpoints, extra=extra)
         backend.print(f"checkpoint {path}: epoch {run.epoch}, micro-batch {progress.batches}, "
                       f"step {run.global_step}")
+        backend.elastic_commit()  # an elastic run that loses a rank goes back to this checkpoint
 
     preempt = Preemption()
 

@@ -148,3 +148,35 @@ def test_worker_killed_from_outside_does_not_end_the_job(tmp_path: Path) -> None
     times = check_survived(tmp_path, rc, out)
     print(f"elastic job with a kill from outside: {time.monotonic() - start:.1f}s, "
           f"recovery {times['recovery_s']:.1f}s")
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(150)
+def test_the_recipe_survives_a_killed_worker(tmp_path):
+    """The CIFAR-10 recipe itself under elastic horovodrun: rank 1 is SIGKILLed
+    after its 3rd step (a checkpoint was committed at step 2); rank 0 goes on
+    as a world of 1 from that checkpoint and the job ends with exit status 0."""
+    from recipes.make_data import make_cifar10
+
+    require_launcher("horovodrun")
+    data = tmp_path / "cifar"
+    make_cifar10(data, n_train=128, n_test=32, seed=0)
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    out = tmp_path / "out"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           str(discover), "--gloo", "--network-interface", "lo", str(BIN / "python"), "tests/resume_wrapper.py",
+           "--backend", "horovod", "--data-dir", str(data), "--out-dir", str(out), "--epochs", "2",
+           "--batch-size", "16", "--num-workers", "0", "--checkpoint-every", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", PARALLELX_TIMEOUT="60",
+               HOROVOD_ELASTIC_TIMEOUT="30", PXT_ACTIONS="0:kill@3:1",
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "resume_wrapper: rank 1 attempt 0: SIGKILL after step 3" in proc.stdout
+    assert "resuming from " in proc.stdout and "step-00000002" in proc.stdout, proc.stdout[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 1  # the survivors' world, which finished the run
+    assert (out / "last.pth").is_file()
