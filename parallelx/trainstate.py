@@ -339,12 +339,12 @@ def check_named_groups(named: Mapping[str, Any], live: Sequence[Sequence[str]], 
     if len(saved) != len(live):
         raise ParallelxError(f"the saved optimizer state has {len(saved)} parameter group(s), this optimizer "
                              f"{len(live)}; build the optimizer as the run that saved it did")
-    for i, (s, l) in enumerate(zip(saved, live)):
-        if (set(s) != set(l)) if names_only else (len(s) != len(l)):
-            missing = sorted(set(l) - set(s))[:3] if names_only else []
-            extra = sorted(set(s) - set(l))[:3] if names_only else []
+    for i, (s, here) in enumerate(zip(saved, live)):
+        if (set(s) != set(here)) if names_only else (len(s) != len(here)):
+            missing = sorted(set(here) - set(s))[:3] if names_only else []
+            extra = sorted(set(s) - set(here))[:3] if names_only else []
             raise ParallelxError(f"parameter group {i} of the saved optimizer state holds {len(s)} parameters, "
-                                 f"this optimizer's {len(l)}" + (f" (not saved: {missing}, not here: {extra})"
+                                 f"this optimizer's {len(here)}" + (f" (not saved: {missing}, not here: {extra})"
                                                                   if names_only else "")
                                  + "; the checkpoint is of another model or optimizer set-up")
 

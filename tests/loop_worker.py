@@ -160,7 +160,8 @@ def train(backend: parallelx.Backend, batches: Any, *, counter: CollectiveCounte
             norms.append(float(result.grad_norm))
             lrs.append(opt.param_groups[0]["lr"])
     weights = backend.model_state_dict(model)
-    return {"weights": weights, "total": counter.count if counter else 0, "norms": norms, "lrs": lrs, "inside": inside, "micro": micro, "losses": losses}
+    return {"weights": weights, "total": counter.count if counter else 0, "norms": norms, "lrs": lrs,
+            "inside": inside, "micro": micro, "losses": losses}
 
 
 def main() -> None:
