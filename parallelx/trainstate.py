@@ -98,8 +98,10 @@ def save_training_state(
     ``state_dict(consumed=...)`` returned.  The newest ``keep`` checkpoints
     are kept, older ones removed once the new one is complete.  ``extra`` is
     the main rank's own loop state (floats, lists, dicts: metrics so far),
-    stored as given and returned by :func:`load_training_state`."""
+    stored as given and returned by :func:`load_training_state`.  ``scaler``
+    defaults to the backend's own (``backend.grad_scaler``, under 16-mixed)."""
     backend._require_init()
+    scaler = backend.grad_scaler if scaler is None else scaler  # 16-mixed's loss scale resumes too
     if keep < 1:
         raise ParallelxError(f"save_training_state(keep=...) must be >= 1, got {keep}")
     if not isinstance(step, int) or step < 0:
@@ -211,6 +213,10 @@ def load_training_state(
     This rank's random number generators are restored last, so that nothing
     loaded here draws from them afterwards."""
     backend._require_init()
+    # The backend's own scaler (16-mixed) by default; a checkpoint written in
+    # another precision has none, and the scaler then starts afresh.
+    default_scaler = scaler is None
+    scaler = backend.grad_scaler if scaler is None else scaler
     path = Path(path)
     state, rng, error = None, None, None
     try:
@@ -231,7 +237,8 @@ def load_training_state(
         raise ParallelxError(f"checkpoint {path} does not fit this model: {_first_line(exc)}") from None
     backend.load_named_optimizer_state(model, optimizer, state["optimizer"])
     _load_optional(path, "scheduler", scheduler, state["scheduler"])
-    _load_optional(path, "scaler", scaler, state["scaler"])
+    if not (default_scaler and state["scaler"] is None):
+        _load_optional(path, "scaler", scaler, state["scaler"])
     if sampler is not None:
         if state["sampler"] is None:
             raise ParallelxError(f"checkpoint {path} holds no sampler position; load it without sampler=...")
