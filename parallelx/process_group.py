@@ -135,4 +135,10 @@ class ProcessGroupBackend(Backend):
 
     def _shutdown(self, *, failed: bool) -> None:
         if dist.is_initialized():
+            if not failed:
+                # The last collectives may have been synchronous ones whose
+                # handles Python no longer holds (broadcast_object_list, a
+                # checkpoint's agreement): a barrier through wait() keeps them
+                # alive past teardown (see _RECENT_WORK).
+                self.barrier()
             dist.destroy_process_group()
