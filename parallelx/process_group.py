@@ -44,10 +44,15 @@ def restart_store(timeout: _dt.timedelta) -> dist.Store | None:
     failed attempt's process group wrote there (each rank's address) are
     still in it, so a restarted rank could read a dead peer's address and
     fail to connect (``--max-restarts`` then fails on the first restart).
-    Keys under the restart count keep the attempts apart.  None elsewhere:
-    the launcher's ``env://`` rendezvous is used as it is."""
+    Keys under the restart count keep the attempts apart.  Only with one
+    agent (``GROUP_WORLD_SIZE`` 1): with several (``--nnodes``), one agent
+    may restart for a failure and another for the change of membership,
+    whose restart counts then differ; their c10d rendezvous starts every
+    round with a store of its own anyway.  None elsewhere: the launcher's
+    ``env://`` rendezvous is used as it is."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=timeout)

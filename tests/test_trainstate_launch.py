@@ -16,8 +16,9 @@ import torch
 from launching import launch, require_launcher
 from trainstate_worker import max_diff
 
+# ZeRO 1 shares ZeRO 2's optimizer (stage_1_and_2) and so its gathering and
+# scattering of the optimizer state; it is left out to keep the suite short.
 CASES = {
-    "deepspeed-zero1": ("deepspeed", "deepspeed", ["--zero-stage", "1"]),
     "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
     "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
     "ddp": ("torchrun", "ddp", []),
