@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
+import uuid
 from collections import deque
 from typing import Any, TypeVar
 
@@ -39,24 +41,59 @@ def wait(work: Any) -> None:
 def restart_store(timeout: _dt.timedelta) -> dist.Store | None:
     """Under torchrun, a store of this attempt's own for the process group.
 
-    torchrun's static rendezvous (``--master-port``, its default) keeps one
-    store, served by the agent, for every restart of a job; the keys the
-    failed attempt's process group wrote there (each rank's address) are
-    still in it, so a restarted rank could read a dead peer's address and
-    fail to connect (``--max-restarts`` then fails on the first restart).
-    Keys under the restart count keep the attempts apart.  Only with one
-    agent (``GROUP_WORLD_SIZE`` 1): with several (``--nnodes``), one agent
-    may restart for a failure and another for the change of membership,
-    whose restart counts then differ; their c10d rendezvous starts every
-    round with a store of its own anyway.  None elsewhere: the launcher's
-    ``env://`` rendezvous is used as it is."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if (restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+    torchrun's agents serve the workers one store for every restart of a job
+    (the static rendezvous's, or the c10d rendezvous's shared TCP store); the
+    keys the failed attempt's process group wrote there (each rank's address)
+    are still in it, so a restarted rank can read a dead peer's address and
+    fail to connect ("Connection refused" in Gloo's connectFullMesh), which
+    spends another restart, and another.  Keys under a prefix that only this
+    attempt knows keep the attempts apart.  The restart count cannot be that
+    prefix: with several agents (``--nnodes``) one agent restarts for the
+    failure and another for the change of membership, which torchrun does not
+    count, so their counts differ.  :func:`attempt_token` agrees on one.
+    None elsewhere: the launcher's ``env://`` rendezvous is used as it is."""
+    if (os.environ.get("TORCHELASTIC_RESTART_COUNT") is None
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"parallelx/attempt-{restart}", agent)
+    token = attempt_token(agent, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
+    return dist.PrefixStore(f"parallelx/attempt-{token}", agent)
+
+
+def attempt_token(store: dist.Store, rank: int, world_size: int, timeout: _dt.timedelta) -> str:
+    """A token that every rank of this attempt agrees on and no earlier
+    attempt used, through a store that may hold any earlier attempt's keys.
+
+    Rank 0 draws the token.  Every other rank draws a nonce of its own,
+    publishes it under its rank and waits for the token under its nonce, which
+    nobody else can have written.  Rank 0 answers whatever nonce each rank
+    has published (at first perhaps a dead attempt's: that answer is never
+    read) until the rank confirms under the new token."""
+    prefix = "parallelx/attempts"
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{prefix}/hello/{rank}", nonce)
+        token = store.get(f"{prefix}/welcome/{nonce}").decode()  # waits up to the store's timeout
+        store.set(f"{prefix}/{token}/joined/{rank}", "1")
+        return token
+    token = uuid.uuid4().hex
+    pending = set(range(1, world_size))
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.005
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{prefix}/{token}/joined/{r}"]):
+                pending.discard(r)
+            elif store.check([f"{prefix}/hello/{r}"]):
+                store.set(f"{prefix}/welcome/{store.get(f'{prefix}/hello/{r}').decode()}", token)
+        if pending:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"rank 0: ranks {sorted(pending)[:8]} did not join this attempt's process group "
+                                  f"within {timeout.total_seconds():.0f}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+    return token
 
 
 class ProcessGroupBackend(Backend):

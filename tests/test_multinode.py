@@ -95,11 +95,15 @@ CASES = {
 }
 
 
-def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float) -> list[Result]:
+def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float, *,
+              while_running: Callable[[list[subprocess.Popen]], None] | None = None,
+              wait_all: bool = False) -> list[Result]:
     """Start every command at once, each in its own session, and wait for all.
     A node that fails leaves the others waiting for it in a collective: they
-    are killed at once; past ``timeout`` every process group is killed and the
-    test fails with each node's output."""
+    are killed at once (unless ``wait_all``: a test that stops a node on
+    purpose waits for the others to end by themselves); past ``timeout`` every
+    process group is killed and the test fails with each node's output.
+    ``while_running(procs)`` acts on the running job (its time counts)."""
     logs = [tempfile.TemporaryFile("w+") for _ in cmds]
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
@@ -108,8 +112,10 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float) -> lis
         for cmd, log in zip(cmds, logs):
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
+        if while_running is not None:
+            while_running(procs)
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+            if not wait_all and any(p.returncode not in (None, 0) for p in procs):
                 break
             if time.monotonic() - start > timeout:
                 hung = True
@@ -132,7 +138,7 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float) -> lis
     outputs = []
     for log in logs:
         log.seek(0)
-        outputs.append(log.read())
+        outputs.append(log.read().replace("\r", "\n"))
         log.close()
     results = [Result(p.returncode, out, seconds) for p, out in zip(procs, outputs)]
     if hung:
@@ -141,7 +147,7 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float) -> lis
 
 
 def tails(results: list[Result]) -> str:
-    return "\n".join(f"--- node {i} (exit {r.returncode}):\n{r.tail(30)}" for i, r in enumerate(results))
+    return "\n".join(f"--- node {i} (exit {r.returncode}):\n{r.tail(40)}" for i, r in enumerate(results))
 
 
 def node_env() -> dict[str, str]:
@@ -201,3 +207,88 @@ def test_two_nodes_train_what_one_machine_trains(launcher, cifar_dir, one_machin
     assert not differ, f"two-node {launcher} trained different weights than one machine (max abs diff): {differ}"
     print(f"{launcher}: two nodes {results[0].seconds:.1f}s, weights bit-identical to one machine's")
 
+def latest_step(out: Path) -> int:
+    try:
+        return int((out / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def wait_for(predicate: Callable[[], bool], procs: list[subprocess.Popen], what: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a node ended (exits {[p.returncode for p in procs]}) before {what}")
+        if time.monotonic() > end:
+            pytest.fail(f"no {what} after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir, tmp_path):
+    """torchrun on two "nodes" (c10d rendezvous, ``--max-restarts 2``,
+    ``--resume auto``), one job through three events:
+
+    1. node 1's rank is SIGKILLed from outside after the first checkpoint:
+       both agents restart their workers (node 1's counts a restart, node 0's
+       may see only a change of membership, so their restart counts differ),
+       which resume from the latest checkpoint;
+    2. later the scheduler's SIGTERM reaches both agents, which forward it
+       to their workers: both ranks save at the same step boundary and stop;
+    3. a new two-node launch resumes from that checkpoint and ends with
+       ``last.pth`` bit-identical to an uninterrupted one-machine ddp run
+       (the deepspeed backend, ZeRO-2, whose launcher never restarts, is run
+       by torchrun: within 1e-6 relative of it, as across backends)."""
+    require_launcher("torchrun")
+    if backend == "deepspeed":
+        require_launcher("deepspeed")
+    common = ["--data-dir", str(cifar_dir), "--epochs", "2", "--batch-size", "16", "--num-workers", "0",
+              "--lr", "0.05", "--checkpoint-every", "2"]
+    args = [*common, "--backend", backend, *(["--zero-stage", "2"] if backend == "deepspeed" else [])]
+    ref = launch("torchrun", ["-m", "recipes.cifar10", *common, "--backend", "ddp", "--out-dir", str(tmp_path / "ref")],
+                 nproc=2, timeout=NODE_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+    assert ref.returncode == 0, ref.tail()
+
+    out, pids = tmp_path / "two", tmp_path / "pids"
+    target = ["tests/resume_wrapper.py", *args, "--out-dir", str(out), "--resume", "auto"]
+
+    def nodes() -> list[list[str]]:
+        return [[*cmd[:1], "--max-restarts", "2", *cmd[1:]] for cmd in torchrun_nodes(target, free_port(), tmp_path)]
+
+    events: dict[str, int] = {}
+
+    def kill_then_preempt(procs: list[subprocess.Popen]) -> None:
+        wait_for(lambda: latest_step(out) >= 2 and (pids / "rank1-attempt0.pid").exists(), procs,
+                 "a first checkpoint")
+        os.kill(int((pids / "rank1-attempt0.pid").read_text()), signal.SIGKILL)
+        events["killed_after"] = latest_step(out)
+        wait_for(lambda: latest_step(out) >= 4, procs, "a checkpoint after the restart")
+        for p in procs:
+            os.kill(p.pid, signal.SIGTERM)  # each agent forwards it to its worker
+
+    env = {**node_env(), "PXT_DELAY": "0.4", "PXT_PIDS": str(pids)}
+    first = run_nodes(nodes(), env, NODE_TIMEOUT_S * 2, while_running=kill_then_preempt, wait_all=True)
+    output = "\n".join(r.output for r in first)
+    assert "resuming from " in output, f"the workers did not resume after the kill:\n{tails(first)}"
+    assert "preempted (SIGTERM)" in output, f"no preemption checkpoint:\n{tails(first)}"
+    assert not (out / "last.pth").exists(), "the preempted job must not have finished"
+    saved = latest_step(out)
+    assert 4 < saved < 8, f"the preemption checkpoint should be inside epoch 2, got step {saved}"
+
+    second = run_nodes(nodes(), node_env(), NODE_TIMEOUT_S)
+    assert all(r.returncode == 0 for r in second), f"the resumed two-node job failed:\n{tails(second)}"
+    assert f"step-{saved:08d}" in "\n".join(r.output for r in second), tails(second)
+    one, two = load(tmp_path / "ref" / "last.pth"), load(out / "last.pth")
+    assert one.keys() == two.keys()
+    if backend == "ddp":
+        differ = [k for k in one if not torch.equal(one[k], two[k])]
+        assert not differ, f"the two-node run, killed, preempted and resumed, ended with other weights in {differ}"
+        outcome = "bit-identical"
+    else:
+        err = max(float((two[k].double() - one[k].double()).norm() / max(float(one[k].double().norm()), 1e-12))
+                  for k in one)
+        assert err < 1e-6, f"deepspeed ZeRO-2 on two nodes, resumed, vs ddp uninterrupted: {err:.3g} relative"
+        outcome = f"{err:.3g} relative from ddp's"
+    print(f"two nodes, {backend}: killed after checkpoint step {events['killed_after']}, preempted at step {saved}, "
+          f"resumed: last.pth {outcome} ({first[0].seconds:.0f}s + {second[0].seconds:.0f}s)")
