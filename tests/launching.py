@@ -35,6 +35,21 @@ class Result:
         return "\n".join(self.output.splitlines()[-n:])
 
 
+#: Every distributed backend under its own launcher, DeepSpeed at each ZeRO
+#: stage: test id -> (launcher, backend, extra arguments).  The parity tests
+#: run each of them (or the ones named) on the same work.
+BACKEND_CASES: dict[str, tuple[str, str, list[str]]] = {
+    "ddp": ("torchrun", "ddp", []),
+    "horovod": ("horovodrun", "horovod", []),
+    **{f"deepspeed-zero{z}": ("deepspeed", "deepspeed", ["--zero-stage", str(z)]) for z in range(4)},
+}
+
+
+def backend_cases(*names: str) -> dict[str, tuple[str, str, list[str]]]:
+    """The named entries of :data:`BACKEND_CASES` (all of them when none is named)."""
+    return {n: BACKEND_CASES[n] for n in (names or BACKEND_CASES)}
+
+
 def launcher_for(launcher: str) -> Launcher:
     return backend_class(_BY_LAUNCHER[launcher]).launcher
 

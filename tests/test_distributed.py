@@ -15,17 +15,9 @@ import sys
 
 import pytest
 import torch
-from launching import ROOT, launch, require_launcher
+from launching import ROOT, backend_cases, launch, require_launcher
 
-CASES = {
-    "ddp-torchrun": ("torchrun", "ddp", []),
-    "horovod-horovodrun": ("horovodrun", "horovod", []),
-    "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
-    "deepspeed-zero1": ("deepspeed", "deepspeed", ["--zero-stage", "1"]),
-    "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
-    # ZeRO-3 shards the parameters themselves: saving must gather them collectively.
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
-}
+CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must gather them collectively
 # Relative tolerance on the weights after 5 SGD steps: only the order of float
 # additions differs (gradient averaging across ranks), ~2e-7 is typical.  With
 # DeepSpeed's former default clipping (1.0) the error is ~1, measured.

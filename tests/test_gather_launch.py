@@ -7,14 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import launch, require_launcher
+from launching import backend_cases, launch, require_launcher
 
-CASES = {
-    "ddp-torchrun": ("torchrun", "ddp", []),
-    "horovod-horovodrun": ("horovodrun", "horovod", []),
-    # ZeRO-3 partitions the parameters: the converted BatchNorm must still see whole ones.
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
-}
+# ZeRO-3 partitions the parameters: the converted BatchNorm must still see whole ones.
+CASES = backend_cases("ddp", "horovod", "deepspeed-zero3")
 DATASET_SIZE = 23
 # Float32 results against one process; the statistics are summed in float64.
 TOL = 1e-6

@@ -22,16 +22,9 @@ import json
 
 import pytest
 import torch
-from launching import launch, require_launcher
+from launching import backend_cases, launch, require_launcher
 
-CASES = {
-    "ddp": ("torchrun", "ddp", []),
-    "horovod": ("horovodrun", "horovod", []),
-    "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
-    "deepspeed-zero1": ("deepspeed", "deepspeed", ["--zero-stage", "1"]),
-    "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
-}
+CASES = backend_cases()
 # ZeRO 2 and 3 keep only a shard of the gradients on each rank, so they must
 # reduce-scatter every micro-batch's gradients as it is computed (DeepSpeed's
 # own engine.no_sync() refuses to run under them); the update is the same.

@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, require_launcher
+from launching import backend_cases, launch, require_launcher
 
-RUNS = {
-    "ddp": ("torchrun", "ddp", []),
-    "horovod": ("horovodrun", "horovod", []),
-    "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
-    "deepspeed-zero1": ("deepspeed", "deepspeed", ["--zero-stage", "1"]),
-    "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
-}
+RUNS = backend_cases()
 OPTIONS = ["--epochs", "2", "--batch-size", "16", "--lr", "0.05", "--accumulate", "3", "--clip-grad-norm", "0.5",
            "--precision", "bf16-mixed", "--lr-schedule", "cosine", "--warmup-epochs", "0.5",
            "--num-workers", "1"]
