@@ -17,6 +17,10 @@ are turned off unless the file sets them (see :data:`PLAIN_MATH`); a file
 that does set one is honoured, and a warning says that the math now differs
 from the other backends.  Without a GPU DeepSpeed picks its CPU accelerator
 and communicates over Gloo.
+
+Checkpoints hold the ZeRO 1-3 optimizer state whole, in ``torch.optim``'s
+layout, whatever the stage and world size: ``_deepspeed_zero`` gathers and
+scatters it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelx.backends import _deepspeed_zero as zero_state
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
@@ -439,16 +444,15 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
             return super().optimizer_state_dict(optimizer)
         # Gathered from the shards (a collective), in the layout torch.optim itself uses.
-        from parallelx.trainstate import indexed_optimizer_state
-
-        named = self._gather_optimizer_state(optimizer, _names(optimizer.engine.module))
-        return indexed_optimizer_state(named)
+        return zero_state.gather_indexed(optimizer.optimizer, self.zero_stage,
+                                         zero_state.param_names(optimizer.engine.module))
 
     def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         if self.zero_stage == 0:
             named = super().named_optimizer_state(model, optimizer)
         else:
-            named = self._gather_optimizer_state(optimizer, _names(self.unwrap(model)))
+            named = zero_state.gather_named(optimizer.optimizer, self.zero_stage,
+                                            zero_state.param_names(self.unwrap(model)))
         # The engine's own step counters ride along; a plain optimizer ignores them.
         engine = optimizer.engine
         named["engine_counters"] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS}
@@ -458,100 +462,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.zero_stage == 0:
             super().load_named_optimizer_state(model, optimizer, state)
         else:
-            self._scatter_optimizer_state(optimizer, _names(self.unwrap(model)), state)
+            zero_state.scatter_named(optimizer.optimizer, self.zero_stage,
+                                     zero_state.param_names(self.unwrap(model)), state)
         counters = state.get("engine_counters")
         if counters is not None:
             for k in _ENGINE_COUNTERS:
                 setattr(optimizer.engine, k, int(counters[k]))
-
-    def _zero_groups(self, zero: Any) -> list[list[nn.Parameter]]:
-        """The model's parameters of each of the optimizer's param groups, in order."""
-        if self.zero_stage == 3:
-            groups: list[list[nn.Parameter]] = [[] for _ in zero.optimizer.param_groups]
-            for sub, params in enumerate(zero.fp16_groups):
-                groups[zero.sub_group_to_group_id[sub]].extend(params)
-            return groups
-        return [list(g) for g in zero.bit16_groups]
-
-    def _flat_master(self, zero: Any, group: int, param: nn.Parameter) -> torch.Tensor:
-        """The flat fp32 tensor of this rank's shard that holds ``param``'s master
-        copy; the base optimizer's state is keyed by it."""
-        if self.zero_stage == 3:
-            return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(param)][0]]
-        return zero.single_partition_of_fp32_groups[group]
-
-    def _gather_optimizer_state(self, optimizer: Any, names: Mapping[int, str]) -> dict[str, Any]:
-        """The ZeRO-sharded state, whole, keyed by parameter name.  Tensors
-        shaped like the shard are gathered with DeepSpeed's collectives (every
-        rank calls them in the same order); per-group values (Adam's ``step``)
-        are copied to every parameter, as torch.optim keeps them."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        zero = optimizer.optimizer
-        base = zero.optimizer
-        state: dict[str, dict[str, Any]] = {}
-        groups = self._zero_groups(zero)
-        for g, params in enumerate(groups):
-            for p in params:
-                flat = self._flat_master(zero, g, p)
-                shard = base.state.get(flat, {})
-                entry: dict[str, Any] = {}
-                for key in sorted(shard):
-                    value = shard[key]
-                    if torch.is_tensor(value) and value.shape == flat.shape:
-                        full = safe_get_full_optimizer_state(p, key)
-                        entry[key] = full.detach().to("cpu", copy=True).reshape(_full_shape(p))
-                    else:
-                        entry[key] = _to_cpu(value)
-                if entry:
-                    state[names[id(p)]] = entry
-        param_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                         "params": [names[id(p)] for p in params]}
-                        for group, params in zip(base.param_groups, groups)]
-        return {"state": state, "param_groups": param_groups}
-
-    def _scatter_optimizer_state(self, optimizer: Any, names: Mapping[int, str], named: Mapping[str, Any]) -> None:
-        """Put a whole state (by name) into this rank's ZeRO shards.  The base
-        optimizer creates its state at the first step; before that, it is
-        created here, shaped like the shards, for the values to land in."""
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        from parallelx.trainstate import check_named_groups
-
-        zero = optimizer.optimizer
-        base = zero.optimizer
-        groups = self._zero_groups(zero)
-        check_named_groups(named, [[names[id(p)] for p in params] for params in groups])
-        saved = named["state"]
-        created = False
-        for g, (group, params) in enumerate(zip(named["param_groups"], groups)):
-            base.param_groups[g].update({k: v for k, v in group.items() if k != "params"})
-            for p in params:
-                entry = saved.get(names[id(p)])
-                if not entry:
-                    continue
-                flat = self._flat_master(zero, g, p)
-                shard = base.state[flat]
-                for key, value in entry.items():
-                    if torch.is_tensor(value) and tuple(value.shape) == _full_shape(p):
-                        if key not in shard:
-                            shard[key] = torch.zeros_like(flat)
-                            created = True
-                    else:  # a per-group value: the same for every parameter of the shard
-                        shard[key] = value.clone() if torch.is_tensor(value) else value
-        if created and self.zero_stage != 3:
-            # ZeRO 1-2 link each parameter to views of its shard's state at the
-            # first step; new state tensors need the links made again.
-            zero._hp_optimizer_states_linked = False
-            zero._lazy_init_hp_params_optimizer_state()
-        for g, params in enumerate(groups):
-            for p in params:
-                entry = saved.get(names[id(p)], {})
-                flat = self._flat_master(zero, g, p)
-                for key in sorted(entry):
-                    value = entry[key]
-                    if torch.is_tensor(value) and tuple(value.shape) == _full_shape(p):
-                        safe_set_full_optimizer_state(p, value.to(flat.device, flat.dtype), key)
 
     def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
         if isinstance(target, nn.Module):
@@ -559,7 +475,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             if self.zero_stage == 3:
                 # Checked on every rank first: a mismatch raised on rank 0 alone
                 # would leave the others waiting in the gather.
-                _check_shapes(module, state)
+                zero_state.check_shapes(module, state)
                 # Rank 0 loads the full tensors; DeepSpeed re-partitions them on exit.
                 with self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                     if self.is_main():
@@ -569,46 +485,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
             if self.zero_stage >= 1 and isinstance(target, DeepSpeedModel) and target.trains:
                 # ZeRO steps its fp32 master copies and copies them back into the
                 # weights: the masters must hold the loaded values too.
-                from deepspeed.utils import safe_set_full_fp32_param
-
-                for name, p in module.named_parameters():
-                    if p.requires_grad and name in state:
-                        safe_set_full_fp32_param(p, state[name].to(p.device, torch.float32))
+                zero_state.set_fp32_masters(module, state)
         elif self.zero_stage == 0:
             target.load_state_dict(state)
         else:
             # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
-            from parallelx.trainstate import named_from_indexed
-
-            names = _names(target.engine.module)
-            groups = [[names[id(p)] for p in params] for params in self._zero_groups(target.optimizer)]
-            self._scatter_optimizer_state(target, names, named_from_indexed(state, groups))
+            zero_state.scatter_indexed(target.optimizer, self.zero_stage,
+                                       zero_state.param_names(target.engine.module), state)
 
 
 #: DeepSpeed engine counters that a training-state checkpoint restores.
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
-
-
-def _names(module: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters()}
-
-
-def _full_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """A parameter's whole shape, also under ZeRO-3 (where the local tensor is a shard)."""
-    return tuple(getattr(param, "ds_shape", param.shape))
-
-
-def _to_cpu(value: Any) -> Any:
-    from parallelx.checkpoint import to_cpu
-
-    return to_cpu(value)
-
-
-def _check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
-    for name, p in module.named_parameters():
-        if name in state and tuple(state[name].shape) != _full_shape(p):
-            raise ParallelxError(f"deepspeed: the state for {name} has shape {tuple(state[name].shape)}, the "
-                                 f"model's parameter {_full_shape(p)}; it is of another model")
 
 
 def _read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:

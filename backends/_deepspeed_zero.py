@@ -1,0 +1,169 @@
+"""ZeRO 1-3 optimizer state in plain ``torch.optim`` layout, for the ``deepspeed`` backend.
+
+Under ZeRO stages 1 to 3 each rank's base optimizer keeps state for its shard
+of flat fp32 master tensors only, and ZeRO steps those masters and copies them
+back into the weights.  A checkpoint must not depend on the world size or the
+stage, so this module gathers that state whole, keyed by parameter name (the
+layout of :mod:`parallelx.trainstate`, or by position as ``torch.optim`` keeps
+it), scatters such a state back into this rank's shards, and sets the fp32
+masters when weights are loaded.  It goes through DeepSpeed's
+``safe_get_full_*`` / ``safe_set_full_*``, which are collectives: every rank
+calls them in the same order.
+
+Not a backend (the leading underscore): the registry names its modules
+explicitly.  ``deepspeed`` is imported inside the functions only, as everywhere
+in ``backends/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelx.errors import ParallelxError
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's name, by ``id``."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's whole shape, also under ZeRO-3 (where the local tensor is a shard)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
+    """Raise unless every tensor of ``state`` named after a parameter of
+    ``module`` has that parameter's whole shape."""
+    for name, p in module.named_parameters():
+        if name in state and tuple(state[name].shape) != full_shape(p):
+            raise ParallelxError(f"deepspeed: the state for {name} has shape {tuple(state[name].shape)}, the "
+                                 f"model's parameter {full_shape(p)}; it is of another model")
+
+
+def set_fp32_masters(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy loaded weights into ZeRO's fp32 master copies: ZeRO steps the
+    masters and copies them back into the weights, so the masters must hold
+    the loaded values too."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in module.named_parameters():
+        if p.requires_grad and name in state:
+            safe_set_full_fp32_param(p, state[name].to(p.device, torch.float32))
+
+
+def gather_named(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, Any]:
+    """The ZeRO-sharded state of ``zero`` (DeepSpeed's ZeRO optimizer), whole,
+    keyed by parameter name.  Tensors shaped like the shard are gathered with
+    DeepSpeed's collectives (every rank calls them in the same order);
+    per-group values (Adam's ``step``) are copied to every parameter, as
+    torch.optim keeps them."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    base = zero.optimizer
+    state: dict[str, dict[str, Any]] = {}
+    groups = _groups(zero, stage)
+    for g, params in enumerate(groups):
+        for p in params:
+            flat = _flat_master(zero, stage, g, p)
+            shard = base.state.get(flat, {})
+            entry: dict[str, Any] = {}
+            for key in sorted(shard):
+                value = shard[key]
+                if torch.is_tensor(value) and value.shape == flat.shape:
+                    full = safe_get_full_optimizer_state(p, key)
+                    entry[key] = full.detach().to("cpu", copy=True).reshape(full_shape(p))
+                else:
+                    entry[key] = _to_cpu(value)
+            if entry:
+                state[names[id(p)]] = entry
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                     "params": [names[id(p)] for p in params]}
+                    for group, params in zip(base.param_groups, groups)]
+    return {"state": state, "param_groups": param_groups}
+
+
+def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mapping[str, Any]) -> None:
+    """Put a whole state (by name) into this rank's ZeRO shards.  The base
+    optimizer creates its state at the first step; before that, it is
+    created here, shaped like the shards, for the values to land in."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    from parallelx.trainstate import check_named_groups
+
+    base = zero.optimizer
+    groups = _groups(zero, stage)
+    check_named_groups(named, [[names[id(p)] for p in params] for params in groups])
+    saved = named["state"]
+    created = False
+    for g, (group, params) in enumerate(zip(named["param_groups"], groups)):
+        base.param_groups[g].update({k: v for k, v in group.items() if k != "params"})
+        for p in params:
+            entry = saved.get(names[id(p)])
+            if not entry:
+                continue
+            flat = _flat_master(zero, stage, g, p)
+            shard = base.state[flat]
+            for key, value in entry.items():
+                if torch.is_tensor(value) and tuple(value.shape) == full_shape(p):
+                    if key not in shard:
+                        shard[key] = torch.zeros_like(flat)
+                        created = True
+                else:  # a per-group value: the same for every parameter of the shard
+                    shard[key] = value.clone() if torch.is_tensor(value) else value
+    if created and stage != 3:
+        # ZeRO 1-2 link each parameter to views of its shard's state at the
+        # first step; new state tensors need the links made again.
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+    for g, params in enumerate(groups):
+        for p in params:
+            entry = saved.get(names[id(p)], {})
+            flat = _flat_master(zero, stage, g, p)
+            for key in sorted(entry):
+                value = entry[key]
+                if torch.is_tensor(value) and tuple(value.shape) == full_shape(p):
+                    safe_set_full_optimizer_state(p, value.to(flat.device, flat.dtype), key)
+
+
+def gather_indexed(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, Any]:
+    """:func:`gather_named` in the layout ``torch.optim`` itself uses (positions, in group order)."""
+    from parallelx.trainstate import indexed_optimizer_state
+
+    return indexed_optimizer_state(gather_named(zero, stage, names))
+
+
+def scatter_indexed(zero: Any, stage: int, names: Mapping[int, str], state: Mapping[str, Any]) -> None:
+    """:func:`scatter_named` for a plain ``torch.optim`` state (positions, in group order)."""
+    from parallelx.trainstate import named_from_indexed
+
+    groups = [[names[id(p)] for p in params] for params in _groups(zero, stage)]
+    scatter_named(zero, stage, names, named_from_indexed(state, groups))
+
+
+def _groups(zero: Any, stage: int) -> list[list[nn.Parameter]]:
+    """The model's parameters of each of the optimizer's param groups, in order."""
+    if stage == 3:
+        groups: list[list[nn.Parameter]] = [[] for _ in zero.optimizer.param_groups]
+        for sub, params in enumerate(zero.fp16_groups):
+            groups[zero.sub_group_to_group_id[sub]].extend(params)
+        return groups
+    return [list(g) for g in zero.bit16_groups]
+
+
+def _flat_master(zero: Any, stage: int, group: int, param: nn.Parameter) -> torch.Tensor:
+    """The flat fp32 tensor of this rank's shard that holds ``param``'s master
+    copy; the base optimizer's state is keyed by it."""
+    if stage == 3:
+        return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(param)][0]]
+    return zero.single_partition_of_fp32_groups[group]
+
+
+def _to_cpu(value: Any) -> Any:
+    from parallelx.checkpoint import to_cpu
+
+    return to_cpu(value)
