@@ -20,7 +20,6 @@ On 2 CPU cores, 2 epochs of 5,000 generated images take about a minute.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import parallelx
 
 from .common import base_parser, validate
 from .data import cifar10_folder, load_cifar10
-from .engine import FitConfig, fit
+from .engine import FitConfig, fit_elastic
 from .models import LeNet
 
 
@@ -65,26 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     with backend:  # released on every rank when anything below raises
         parallelx.seed_everything(args.seed)  # same initial weights on every rank
         train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum)
-        cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                        max_steps=args.max_steps, out_dir=args.out_dir,
-                        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs,
-                        checkpoint_every=args.checkpoint_every, resume=args.resume,
-                        keep_checkpoints=args.keep_checkpoints)
-        attempt = itertools.count()
 
-        def train() -> dict:
-            # Called again in an elastic run that lost a rank (horovodrun --min-np):
-            # then from the seed, and from the latest checkpoint if there is one.
-            again = next(attempt) > 0
-            if again:
-                parallelx.seed_everything(args.seed)
+        def build(again: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
             model = LeNet(num_classes=10)
-            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-            model, optimizer = backend.setup(model, optimizer)
-            return fit(backend, model, optimizer, train_set, val_set, cfg.resumed() if again else cfg,
-                       run_info={"recipe": "cifar10", "model": "LeNet"})
+            return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-        backend.run_elastic(train)
+        fit_elastic(backend, build, train_set, val_set, FitConfig.from_args(args),
+                    run_info={"recipe": "cifar10", "model": "LeNet"})
     return 0
 
 

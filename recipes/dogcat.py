@@ -20,7 +20,6 @@ VGG16 has 138 M parameters: on 2 CPU cores expect ~10 images/s at
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from parallelx.utils import threads_per_process
 
 from .common import base_parser, fraction, validate
 from .data import list_dogcat, load_dogcat, split_indices
-from .engine import FitConfig, fit
+from .engine import FitConfig, fit_elastic
 from .models import (VGG16_MAX_IMAGE_SIZE, VGG16_MIN_IMAGE_SIZE, check_vgg_image_size, imagenet_vgg16_state,
                      read_vgg16_weights, vgg16_for_dogcat)
 
@@ -94,32 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         parallelx.seed_everything(args.seed)  # same initial weights on every rank
         train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction,
                                          seed=args.seed, threads=threads_per_process(backend.local_world_size))
-        cfg = FitConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                        max_steps=args.max_steps, out_dir=args.out_dir,
-                        lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs,
-                        checkpoint_every=args.checkpoint_every, resume=args.resume,
-                        keep_checkpoints=args.keep_checkpoints)
-        attempt = itertools.count()
 
-        def train() -> dict:
+        def build(again: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
             # Called again in an elastic run that lost a rank (horovodrun --min-np):
-            # then from the seed and the starting weights read again, and from the
-            # latest checkpoint if there is one.
+            # then from the starting weights read again.
             nonlocal start
-            again = next(attempt) > 0
             if again:
-                parallelx.seed_everything(args.seed)
                 start = (imagenet_vgg16_state() if args.pretrained
                          else read_vgg16_weights(args.weights) if args.weights is not None else None)
             model = vgg16_for_dogcat(weights=start, freeze_features=args.freeze_features)
             start = None  # the model holds its own copy
             trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer = torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
-            model, optimizer = backend.setup(model, optimizer)
-            return fit(backend, model, optimizer, train_set, val_set, cfg.resumed() if again else cfg,
-                       run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size})
+            return model, torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
 
-        backend.run_elastic(train)
+        fit_elastic(backend, build, train_set, val_set, FitConfig.from_args(args),
+                    run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size})
     return 0
 
 

@@ -21,6 +21,7 @@ What it gets right on every backend:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import itertools
@@ -75,6 +76,15 @@ class FitConfig:
     def resumed(self) -> FitConfig:
         """This configuration, resuming from the latest checkpoint if there is one."""
         return dataclasses.replace(self, resume="auto")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FitConfig:
+        """The configuration the options of ``recipes.common.base_parser`` give."""
+        return cls(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
+                   max_steps=args.max_steps, out_dir=args.out_dir,
+                   lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs,
+                   checkpoint_every=args.checkpoint_every, resume=args.resume,
+                   keep_checkpoints=args.keep_checkpoints)
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -417,6 +427,26 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     backend.print(f"outputs in {out.resolve()}")
     backend.barrier()
     return metrics
+
+
+def fit_elastic(backend: Backend, build: Callable[[bool], tuple[nn.Module, Any]], train_set: Dataset,
+                val_set: Dataset, cfg: FitConfig, *, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`fit` through ``backend.run_elastic``: ``build(again)`` makes the
+    model and its optimizer (unwrapped; ``again`` is True on a call after the
+    first), which ``backend.setup`` wraps.  Returns what :func:`fit` returned."""
+    attempt = itertools.count()
+
+    def train() -> dict[str, Any]:
+        # Called again in an elastic run that lost a rank (horovodrun --min-np):
+        # then from the seed, and from the latest checkpoint if there is one.
+        again = next(attempt) > 0
+        if again:
+            parallelx.seed_everything(cfg.seed)
+        model, optimizer = backend.setup(*build(again))
+        return fit(backend, model, optimizer, train_set, val_set, cfg.resumed() if again else cfg,
+                   run_info=run_info)
+
+    return backend.run_elastic(train)
 
 
 def _preempted(backend: Backend, preempt: Preemption, run: _RunState) -> dict[str, Any]:
