@@ -98,14 +98,17 @@ class ShardedSampler(Sampler[int]):
         """Use ``epoch``'s shuffle for the next iteration (then count on from it)."""
         self.epoch = int(epoch)
 
-    def global_order(self, epoch: int) -> list[int]:
-        """The padded global index list for ``epoch`` (same on every rank)."""
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """``epoch``'s order of the dataset's indices, unpadded (same on every rank)."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_size, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_size))
+            return torch.randperm(self.dataset_size, generator=g).tolist()
+        return list(range(self.dataset_size))
+
+    def global_order(self, epoch: int) -> list[int]:
+        """The padded global index list for ``epoch`` (same on every rank)."""
+        order = self._epoch_order(epoch)
         if self.total_size > len(order):
             pad = self.total_size - len(order)
             order += (order * math.ceil(pad / len(order)))[:pad]
@@ -241,12 +244,7 @@ class ShardedSampler(Sampler[int]):
         order, padded past its end by repeating its head as :meth:`global_order`
         does: at an unchanged world size, exactly what the interrupted pass
         would have given from there on, padding included."""
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_size, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_size))
+        order = self._epoch_order(epoch)
         return [order[p % self.dataset_size] for p in range(start, start + self.total_size)]
 
     def _counted(self, indices: list[int]) -> Iterator[int]:
