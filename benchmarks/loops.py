@@ -27,19 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks import launch, plan, report, stats
-from benchmarks.run import positive_int
+from benchmarks.run import command_line, drop_skipped, make_work_dir, positive_int, release_work_dir
 from benchmarks.workload import BenchError, Case, exit_on_bench_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,11 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if machine.nproc < 2:
         raise BenchError("the loop comparison needs 2 or more processes; use --nproc 2")
     skipped = {n: why for n in args.configs if (why := launch.unavailable(CONFIGS[n].backend))}
-    for name, why in skipped.items():
-        print(f"[loops] skipping {name}: {why}", file=sys.stderr)
-    configs = [n for n in args.configs if n not in skipped]
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="parallelx-loops-"))
-    work.mkdir(parents=True, exist_ok=True)
+    configs = drop_skipped(args.configs, skipped, "loops")
+    work = make_work_dir(args.work_dir, "parallelx-loops-")
     print(f"[loops] VGG16 {args.image_size} px, batch {args.batch} per process; {machine.nproc} processes x "
           f"{machine.threads_n} thread(s) against 1 x {machine.threads_1}; {args.repeats} round(s) of "
           f"{', '.join(configs)}; work dir {work}", flush=True)
@@ -253,14 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[loops] load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = stats.collect(jobs, work)
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
-    if args.work_dir is None and not args.keep_work:
-        if failures:
-            print(f"[loops] keeping the logs of the failed run in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    release_work_dir(args, work, failures, "loops")
     result = {
         "meta": {
-            "command": "python -m benchmarks.loops " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "command": command_line("benchmarks.loops", argv),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "wall_s": round(time.time() - started, 1), "image_size": args.image_size, "batch": args.batch,
             "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "configs": configs,

@@ -93,6 +93,35 @@ def skip_reasons(parts: list[str], nproc: int) -> dict[str, str]:
     return out
 
 
+def drop_skipped(names: list[str], skipped: dict[str, str], tag: str) -> list[str]:
+    """``names`` less the ``skipped`` ones, each skip said on stderr with why."""
+    for name, why in skipped.items():
+        print(f"[{tag}] skipping {name}: {why}", file=sys.stderr)
+    return [n for n in names if n not in skipped]
+
+
+def make_work_dir(given: Path | None, prefix: str) -> Path:
+    """``--work-dir``, or a fresh temporary directory named ``prefix...``; created."""
+    work = given or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def release_work_dir(args: argparse.Namespace, work: Path, failures: list[dict[str, Any]], tag: str) -> None:
+    """Remove a temporary work dir (neither ``--work-dir`` nor ``--keep-work``
+    given), unless a launch failed: then its logs stay, and stderr says where."""
+    if args.work_dir is None and not args.keep_work:
+        if failures:
+            print(f"[{tag}] keeping the logs of the failed run in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How this run was started, for the results' ``meta``."""
+    return f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
 @exit_on_bench_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -104,12 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
               file=sys.stderr)
     skipped = skip_reasons(args.parts, machine.nproc)
-    for part, why in skipped.items():
-        print(f"[bench] skipping {part}: {why}", file=sys.stderr)
-    parts = [x for x in args.parts if x not in skipped]
+    parts = drop_skipped(args.parts, skipped, "bench")
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="parallelx-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = make_work_dir(args.work_dir, "parallelx-bench-")
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
           f"(1-process runs: {machine.threads_1}), {machine.comm}, "
           f"{'pinned to cores' if machine.bind_cores else 'not pinned'}; work dir {work}", flush=True)
@@ -136,14 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
     if loader and "error" in loader:
         failures.append({"job": "loader", "error": loader["error"]})
-    if args.work_dir is None and not args.keep_work:
-        if failures:
-            print(f"[bench] keeping the logs of the failed run in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    release_work_dir(args, work, failures, "bench")
     result = {
         "meta": {
-            "command": "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "command": command_line("benchmarks.run", argv),
             "mode": args.mode, "preset": asdict(preset), "parts": parts, "control": args.control,
             "models": args.model_list, "skipped": skipped,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
