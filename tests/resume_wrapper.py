@@ -1,7 +1,8 @@
-"""The CIFAR-10 recipe with faults injected, for tests/test_resume.py.
+"""A recipe with faults injected, for tests/test_resume.py and test_multinode.py.
 
-Runs ``recipes.cifar10.main()`` unchanged, after patching three places to
-fail on purpose, as the environment says:
+Runs ``recipes.<PXT_RECIPE>.main()`` (``cifar10`` by default, or ``dogcat``)
+unchanged, after patching three places to fail on purpose, as the
+environment says:
 
 ``PXT_ACTIONS``  ``attempt:what@k:rank`` items separated by ``;``, where
                  attempt is ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun),
@@ -19,6 +20,7 @@ fail on purpose, as the environment says:
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -28,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import parallelx.trainstate  # noqa: E402
-import recipes.cifar10  # noqa: E402
 import recipes.engine  # noqa: E402
 from parallelx.protocol import Backend  # noqa: E402
 
@@ -108,4 +109,4 @@ if os.environ.get("PXT_PIDS"):
     (Path(os.environ["PXT_PIDS"]) / f"rank{RANK}-attempt{ATTEMPT}.pid").write_text(str(os.getpid()))
 
 if __name__ == "__main__":
-    sys.exit(recipes.cifar10.main())
+    sys.exit(importlib.import_module(f"recipes.{os.environ.get('PXT_RECIPE', 'cifar10')}").main())

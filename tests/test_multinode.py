@@ -224,9 +224,24 @@ def wait_for(predicate: Callable[[], bool], procs: list[subprocess.Popen], what:
         time.sleep(0.05)
 
 
+SURVIVAL_ARGS = ["--epochs", "2", "--batch-size", "16", "--num-workers", "0", "--lr", "0.05", "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cifar_dir, tmp_path_factory) -> Path:
+    """last.pth of the uninterrupted one-machine ddp run of the survival tests."""
+    require_launcher("torchrun")
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    ref = launch("torchrun", ["-m", "recipes.cifar10", "--backend", "ddp", "--data-dir", str(cifar_dir),
+                              "--out-dir", str(out), *SURVIVAL_ARGS], nproc=2, timeout=NODE_TIMEOUT_S,
+                 env={"OMP_NUM_THREADS": "1"})
+    assert ref.returncode == 0, ref.tail()
+    return out / "last.pth"
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
-def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir, tmp_path):
+def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir, uninterrupted, tmp_path):
     """torchrun on two "nodes" (c10d rendezvous, ``--max-restarts 2``,
     ``--resume auto``), one job through three events:
 
@@ -240,15 +255,10 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
        ``last.pth`` bit-identical to an uninterrupted one-machine ddp run
        (the deepspeed backend, ZeRO-2, whose launcher never restarts, is run
        by torchrun: within 1e-6 relative of it, as across backends)."""
-    require_launcher("torchrun")
     if backend == "deepspeed":
         require_launcher("deepspeed")
-    common = ["--data-dir", str(cifar_dir), "--epochs", "2", "--batch-size", "16", "--num-workers", "0",
-              "--lr", "0.05", "--checkpoint-every", "2"]
-    args = [*common, "--backend", backend, *(["--zero-stage", "2"] if backend == "deepspeed" else [])]
-    ref = launch("torchrun", ["-m", "recipes.cifar10", *common, "--backend", "ddp", "--out-dir", str(tmp_path / "ref")],
-                 nproc=2, timeout=NODE_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
-    assert ref.returncode == 0, ref.tail()
+    args = ["--data-dir", str(cifar_dir), *SURVIVAL_ARGS, "--backend", backend,
+            *(["--zero-stage", "2"] if backend == "deepspeed" else [])]
 
     out, pids = tmp_path / "two", tmp_path / "pids"
     target = ["tests/resume_wrapper.py", *args, "--out-dir", str(out), "--resume", "auto"]
@@ -279,7 +289,7 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
     second = run_nodes(nodes(), node_env(), NODE_TIMEOUT_S)
     assert all(r.returncode == 0 for r in second), f"the resumed two-node job failed:\n{tails(second)}"
     assert f"step-{saved:08d}" in "\n".join(r.output for r in second), tails(second)
-    one, two = load(tmp_path / "ref" / "last.pth"), load(out / "last.pth")
+    one, two = load(uninterrupted), load(out / "last.pth")
     assert one.keys() == two.keys()
     if backend == "ddp":
         differ = [k for k in one if not torch.equal(one[k], two[k])]
