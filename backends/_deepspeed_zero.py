@@ -167,3 +167,45 @@ def _to_cpu(value: Any) -> Any:
     from parallelx.checkpoint import to_cpu
 
     return to_cpu(value)
+
+
+#: The fields of DeepSpeed's fp16 loss scale that change while it trains: on
+#: the ZeRO optimizers' ``loss_scaler`` (a ``DynamicLossScaler``) and on
+#: ``FP16_Optimizer``'s ``loss_scale_config`` (ZeRO 0).  The rest (window,
+#: factor, minimum) comes from the config the job is started with.
+LOSS_SCALE_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _scaler(optimizer: Any) -> Any | None:
+    """The object that holds the engine optimizer's fp16 loss scale, if it scales."""
+    for attr in ("loss_scaler", "loss_scale_config"):
+        holder = getattr(optimizer, attr, None)
+        if holder is not None and hasattr(holder, "cur_scale"):
+            return holder
+    return None
+
+
+def loss_scale_state(optimizer: Any) -> dict[str, float | int] | None:
+    """The running loss scale of DeepSpeed's fp16 engine as plain numbers (a
+    checkpoint that ``torch.load(weights_only=True)`` reads); None when the
+    optimizer does not scale (fp32 and bf16 keep the scale at 1)."""
+    holder = _scaler(optimizer)
+    if holder is None or not (getattr(holder, "dynamic", False) or getattr(holder, "dynamic_loss_scale", False)):
+        return None
+    state: dict[str, float | int] = {}
+    for field in LOSS_SCALE_FIELDS:
+        value = getattr(holder, field, None)
+        if value is not None:
+            state[field] = float(value) if field == "cur_scale" else int(value)
+    return state
+
+
+def load_loss_scale_state(optimizer: Any, state: Mapping[str, float | int] | None) -> None:
+    """Put a :func:`loss_scale_state` back; a checkpoint without one (saved in
+    fp32 or bf16, or by another backend) leaves the configured initial scale."""
+    holder = _scaler(optimizer)
+    if holder is None or not state:
+        return
+    for field in LOSS_SCALE_FIELDS:
+        if field in state and hasattr(holder, field):
+            setattr(holder, field, state[field])

@@ -456,6 +456,11 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # The engine's own step counters ride along; a plain optimizer ignores them.
         engine = optimizer.engine
         named["engine_counters"] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS}
+        # So does the fp16 engine's running loss scale (16-mixed): the other
+        # backends' GradScaler is saved beside the optimizer, DeepSpeed's lives in it.
+        scale = zero_state.loss_scale_state(optimizer.optimizer)
+        if scale is not None:
+            named["loss_scale"] = scale
         return named
 
     def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
@@ -468,6 +473,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if counters is not None:
             for k in _ENGINE_COUNTERS:
                 setattr(optimizer.engine, k, int(counters[k]))
+        zero_state.load_loss_scale_state(optimizer.optimizer, state.get("loss_scale"))
 
     def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
         if isinstance(target, nn.Module):

@@ -294,3 +294,69 @@ def test_sampler_length_after_a_resumed_pass_is_the_next_whole_pass():
     next(it)
     assert len(s) == 5, "a loader asks len() before its next pass begins"
     assert len(list(s)) == 5 and s.num_real == 5
+
+
+@pytest.mark.parametrize("holder", ["zero", "fp16_optimizer"])
+def test_deepspeed_fp16_loss_scale_survives_a_checkpoint(holder, tmp_path, monkeypatch):
+    """DeepSpeed's fp16 engine (16-mixed, GPUs only) keeps its running loss
+    scale inside its optimizer: the ZeRO optimizers in a ``DynamicLossScaler``,
+    ZeRO 0's FP16_Optimizer in a ``LossScaleConfig``.  With DeepSpeed's own
+    classes: after overflows and a growth, the saved scale (plain numbers, read
+    back with weights_only) restored into a fresh one continues identically."""
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig
+
+    from parallelx.backends import _deepspeed_zero as zero_state
+
+    # Its overflow messages ask deepspeed.comm for the rank, which wants a process group.
+    monkeypatch.setattr(ds_scaler.dist, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(ds_scaler, "log_dist", lambda *args, **kwargs: None)
+
+    def fresh() -> SimpleNamespace:
+        if holder == "zero":
+            return SimpleNamespace(loss_scaler=DynamicLossScaler(init_scale=2.0**16, scale_window=3, min_scale=1.0,
+                                                                 delayed_shift=2, consecutive_hysteresis=False))
+        return SimpleNamespace(loss_scale_config=LossScaleConfig(torch.float16, True, 0, None))
+
+    def update(opt: SimpleNamespace, overflow: bool) -> None:
+        if holder == "zero":
+            opt.loss_scaler.update_scale(overflow)
+        else:  # what FP16_Optimizer._update_scale does with its config
+            c = opt.loss_scale_config
+            if overflow:
+                c.cur_scale, c.last_overflow_iter = max(c.cur_scale / c.scale_factor, c.min_loss_scale), c.cur_iter
+            elif (c.cur_iter - c.last_overflow_iter - 1) > 0 and (c.cur_iter - c.last_overflow_iter - 1) % 2 == 0:
+                c.cur_scale *= c.scale_factor
+            c.cur_iter += 1
+
+    def observed(opt: SimpleNamespace) -> tuple:
+        h = opt.loss_scaler if holder == "zero" else opt.loss_scale_config
+        return tuple(getattr(h, f, None) for f in zero_state.LOSS_SCALE_FIELDS)
+
+    history = [True, True, False, True, False, False, False, False]
+    a = fresh()
+    for overflow in history[:5]:
+        update(a, overflow)
+    state = zero_state.loss_scale_state(a)
+    assert state is not None and state["cur_scale"] != fresh_scale(fresh()), state
+    torch.save(state, tmp_path / "scale.pt")
+    b = fresh()
+    zero_state.load_loss_scale_state(b, torch.load(tmp_path / "scale.pt", weights_only=True))
+    assert observed(b) == observed(a)
+    for overflow in history[5:]:
+        update(a, overflow)
+        update(b, overflow)
+        assert observed(b) == observed(a)
+    # fp32 / bf16 (no scaling) save nothing; loading nothing keeps the initial scale.
+    assert zero_state.loss_scale_state(SimpleNamespace()) is None
+    c = fresh()
+    zero_state.load_loss_scale_state(c, None)
+    assert observed(c) == observed(fresh())
+
+
+def fresh_scale(opt) -> float:
+    h = getattr(opt, "loss_scaler", None) or opt.loss_scale_config
+    return float(h.cur_scale)
