@@ -4,7 +4,8 @@
 Per backend: save after 3 steps and train 2 more (A), then reload into fresh
 objects and train 2 more (B): A == B bitwise.  The file's optimizer state is
 whole (keyed by name, nothing None) and, ZeRO-sharded or not, equal to the
-ddp run's within REL_TOL.  The ddp launch also loads the ZeRO-3 checkpoint.
+ddp run's within REL_TOL.  The ddp launch also loads the ZeRO-3 checkpoint,
+and the ZeRO-2 launch ddp's.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if name not in _done:
         launcher, backend, extra = CASES[name]
         require_launcher(launcher)
-        if name == "ddp":
-            extra = [*extra, "--load-from", str(run_case("deepspeed-zero3", tmp_path_factory))]
+        # Both directions across backends: ddp continues ZeRO-3's checkpoint,
+        # ZeRO-2 continues ddp's (scattered into its shards).
+        source = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp"}.get(name)
+        if source is not None:
+            extra = [*extra, "--load-from", str(run_case(source, tmp_path_factory))]
         out = tmp_path_factory.mktemp(name)
         res = launch(launcher, ["tests/trainstate_worker.py", "--backend", backend, "--out", str(out), *extra],
                      timeout=240)
@@ -107,3 +111,14 @@ def test_zero3_checkpoint_loads_into_ddp(optim, tmp_path_factory):
     assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
     assert torch.equal(cross["rng_C"], zero3["rng_B"]), "the RNG continues as it did under ZeRO-3"
     assert _rel(cross["C"], zero3["B"]) <= REL_TOL, "ddp continues ZeRO-3's run (up to reduction order)"
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_ddp_checkpoint_loads_into_zero2(optim, tmp_path_factory):
+    out = run_case("deepspeed-zero2", tmp_path_factory)
+    cross = torch.load(out / f"cross-{optim}.pt", weights_only=True)
+    ddp = torch.load(run_case("ddp", tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
+    assert cross["info"]["meta"]["backend"] == "ddp"
+    assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
+    assert torch.equal(cross["rng_C"], ddp["rng_B"]), "the RNG continues as it did under ddp"
+    assert _rel(cross["C"], ddp["B"]) <= REL_TOL, "ZeRO-2 continues ddp's run (up to reduction order)"
