@@ -247,7 +247,9 @@ def test_sigterm_to_torchrun_saves_together_and_the_next_launch_resumes(data, re
     assert "preempted (SIGTERM): checkpoint written at epoch 2" in output, output[-3000:]
     assert times["ended"] - times["sent"] < 20, "the workers did not stop within a step or two"
     assert not (out / "last.pth").exists()
-    assert latest_step(out) > 4, "the preemption checkpoint is inside epoch 2"
+    # Step 4 itself when the SIGTERM arrived between epoch 1's end checkpoint and
+    # the check right after it (nothing new to save then), else a step of epoch 2.
+    assert latest_step(out) >= 4, "the preemption stops at or after epoch 1's checkpoint"
     saved = latest_step(out)
     rc, output = job("torchrun", ["--resume", "auto"], out, data, wrapper=False)
     assert rc == 0, output[-3000:]
