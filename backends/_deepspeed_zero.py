@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelx.checkpoint import to_cpu
 from parallelx.errors import ParallelxError
+from parallelx.trainstate import check_named_groups, indexed_optimizer_state, named_from_indexed
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -78,7 +80,7 @@ def gather_named(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, A
                     full = safe_get_full_optimizer_state(p, key)
                     entry[key] = full.detach().to("cpu", copy=True).reshape(full_shape(p))
                 else:
-                    entry[key] = _to_cpu(value)
+                    entry[key] = to_cpu(value)
             if entry:
                 state[names[id(p)]] = entry
     param_groups = [{**{k: v for k, v in group.items() if k != "params"},
@@ -92,8 +94,6 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
     optimizer creates its state at the first step; before that, it is
     created here, shaped like the shards, for the values to land in."""
     from deepspeed.utils import safe_set_full_optimizer_state
-
-    from parallelx.trainstate import check_named_groups
 
     base = zero.optimizer
     groups = _groups(zero, stage)
@@ -132,15 +132,11 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
 
 def gather_indexed(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, Any]:
     """:func:`gather_named` in the layout ``torch.optim`` itself uses (positions, in group order)."""
-    from parallelx.trainstate import indexed_optimizer_state
-
     return indexed_optimizer_state(gather_named(zero, stage, names))
 
 
 def scatter_indexed(zero: Any, stage: int, names: Mapping[int, str], state: Mapping[str, Any]) -> None:
     """:func:`scatter_named` for a plain ``torch.optim`` state (positions, in group order)."""
-    from parallelx.trainstate import named_from_indexed
-
     groups = [[names[id(p)] for p in params] for params in _groups(zero, stage)]
     scatter_named(zero, stage, names, named_from_indexed(state, groups))
 
@@ -161,12 +157,6 @@ def _flat_master(zero: Any, stage: int, group: int, param: nn.Parameter) -> torc
     if stage == 3:
         return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(param)][0]]
     return zero.single_partition_of_fp32_groups[group]
-
-
-def _to_cpu(value: Any) -> Any:
-    from parallelx.checkpoint import to_cpu
-
-    return to_cpu(value)
 
 
 #: The fields of DeepSpeed's fp16 loss scale that change while it trains: on
