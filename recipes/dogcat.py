@@ -70,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def starting_weights(args: argparse.Namespace) -> dict[str, torch.Tensor] | None:
+    """The VGG16 weights to start from: ImageNet's (``--pretrained``), a file's
+    (``--weights``), or None for torchvision's random initialisation."""
+    if args.pretrained:
+        return imagenet_vgg16_state()
+    if args.weights is not None:
+        return read_vgg16_weights(args.weights)
+    return None
+
+
 @parallelx.exit_on_error
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -83,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir = args.out_dir or Path("runs") / f"dogcat-{backend.name}"
     validate(args)
     split_indices(len(list_dogcat(args.data_dir)[0]), args.val_fraction, args.seed)
-    start = None
-    if args.pretrained:
-        start = imagenet_vgg16_state()
-    elif args.weights is not None:
-        start = read_vgg16_weights(args.weights)
+    start = starting_weights(args)
 
     with backend:  # released on every rank when anything below raises
         parallelx.seed_everything(args.seed)  # same initial weights on every rank
@@ -98,11 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             # Called again in an elastic run that lost a rank (horovodrun --min-np):
             # then from the starting weights read again.
             nonlocal start
-            if again:
-                start = (imagenet_vgg16_state() if args.pretrained
-                         else read_vgg16_weights(args.weights) if args.weights is not None else None)
-            model = vgg16_for_dogcat(weights=start, freeze_features=args.freeze_features)
+            weights = starting_weights(args) if again else start
             start = None  # the model holds its own copy
+            model = vgg16_for_dogcat(weights=weights, freeze_features=args.freeze_features)
             trainable = [p for p in model.parameters() if p.requires_grad]
             return model, torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
 
