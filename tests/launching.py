@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallelx import backend_class
 from parallelx.launch import Launcher, free_port
@@ -116,3 +118,32 @@ def require_launcher(launcher: str) -> None:
         if os.environ.get("CI"):
             pytest.fail(f"{launcher} is not installed; run scripts/setup.sh")
         pytest.skip(f"{launcher} is not installed")
+
+
+# ------------------------------------------- jobs that are acted on while they run
+def wait_for(predicate: Callable[[], bool], procs: subprocess.Popen | list[subprocess.Popen], what: str,
+             timeout: float = 120) -> None:
+    """Poll ``predicate`` until it holds; fail the test if a launcher in
+    ``procs`` ends first, or after ``timeout`` seconds."""
+    procs = procs if isinstance(procs, list) else [procs]
+    end = time.monotonic() + timeout
+    while not predicate():
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"the job ended (exit status {[p.returncode for p in procs]}) before {what}")
+        if time.monotonic() > end:
+            pytest.fail(f"no {what} after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def latest_step(out: Path) -> int:
+    """The step of the checkpoint ``out/checkpoints/latest`` names, -1 when there is none yet."""
+    try:
+        return int((out / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference (L2, per tensor) of state dict ``a`` from ``b``."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).norm() / max(float(b[k].double().norm()), 1e-12)) for k in b)

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launching import BIN, ROOT, Result, launch, launcher_for, require_launcher
+from launching import BIN, ROOT, Result, latest_step, launch, launcher_for, rel_err, require_launcher, wait_for
 
 from parallelx.launch import free_port, resolve_program
 
@@ -207,22 +207,6 @@ def test_two_nodes_train_what_one_machine_trains(launcher, cifar_dir, one_machin
     assert not differ, f"two-node {launcher} trained different weights than one machine (max abs diff): {differ}"
     print(f"{launcher}: two nodes {results[0].seconds:.1f}s, weights bit-identical to one machine's")
 
-def latest_step(out: Path) -> int:
-    try:
-        return int((out / "checkpoints" / "latest").read_text().strip().split("-")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def wait_for(predicate: Callable[[], bool], procs: list[subprocess.Popen], what: str, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if any(p.poll() is not None for p in procs):
-            pytest.fail(f"a node ended (exits {[p.returncode for p in procs]}) before {what}")
-        if time.monotonic() > end:
-            pytest.fail(f"no {what} after {timeout:.0f}s")
-        time.sleep(0.05)
-
 
 SURVIVAL_ARGS = ["--epochs", "2", "--batch-size", "16", "--num-workers", "0", "--lr", "0.05", "--checkpoint-every", "2"]
 
@@ -298,8 +282,7 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
         assert not differ, f"the two-node run, killed, preempted and resumed, ended with other weights in {differ}"
         outcome = "bit-identical"
     else:
-        err = max(float((two[k].double() - one[k].double()).norm() / max(float(one[k].double().norm()), 1e-12))
-                  for k in one)
+        err = rel_err(two, one)
         assert err < 1e-6, f"deepspeed ZeRO-2 on two nodes, resumed, vs ddp uninterrupted: {err:.3g} relative"
         outcome = f"{err:.3g} relative from ddp's"
     print(f"two nodes, {backend}: killed after checkpoint step {events['killed_after']}, preempted at step {saved}, "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import BIN, ROOT, launcher_for, require_launcher
+from launching import BIN, ROOT, latest_step, launcher_for, rel_err, require_launcher, wait_for
 
 from parallelx.launch import free_port
 
@@ -120,11 +120,6 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "last.pth", weights_only=True)
 
 
-def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).norm() / max(float(b[k].double().norm()), 1e-12)) for k in b)
-
-
 def assert_bitwise(out: Path, ref: Path) -> None:
     a, b = weights(out), weights(ref)
     assert a.keys() == b.keys()
@@ -136,24 +131,6 @@ def assert_bitwise(out: Path, ref: Path) -> None:
 def history(out: Path) -> list[dict[str, str]]:
     with open(out / "history.csv") as f:
         return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
-
-
-def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended (exit {proc.returncode}) before {what}")
-        if time.monotonic() > end:
-            pytest.fail(f"no {what} after {timeout:.0f}s")
-        time.sleep(0.05)
-
-
-def latest_step(out: Path) -> int:
-    latest = out / "checkpoints" / "latest"
-    try:
-        return int(latest.read_text().strip().split("-")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def resumed_from(output: str) -> list[str]:
