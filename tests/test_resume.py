@@ -187,8 +187,10 @@ def test_dogcat_recipe_killed_from_outside_restarts_and_ends_bitwise_equal(tmp_p
         wait_for(lambda: latest_step(out) >= 1, proc, "the first checkpoint")
         os.kill(int((pids / "rank1-attempt0.pid").read_text()), signal.SIGKILL)
 
-    rc, output = job("torchrun", [*args, "--checkpoint-every", "1", "--resume", "auto"], out, dogcat, batch=4,
-                     workers=1, restarts=1, env={**env, "PXT_DELAY": "0.5", "PXT_PIDS": str(pids)},
+    # One checkpoint kept: each holds VGG16's weights and momentum, about 1 GB.
+    rc, output = job("torchrun", [*args, "--checkpoint-every", "1", "--keep-checkpoints", "1", "--resume", "auto"],
+                     out, dogcat, batch=4, workers=1, restarts=1,
+                     env={**env, "PXT_DELAY": "0.5", "PXT_PIDS": str(pids)},
                      while_running=kill_rank_1)
     assert rc == 0, output[-4000:]
     assert (pids / "rank1-attempt1.pid").exists(), "the workers were not restarted"
