@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 
 from .cli import exit_on_error
@@ -47,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(name: str, nproc: int, target: list[str], *, dry_run: bool) -> int:
-    from .launch import free_port
     from .registry import backend_class
+    from .runner import launch
 
     if not target:
         raise ParallelxError("nothing to launch: end with `-- -m package.module [args]` or `-- script.py [args]`")
@@ -58,18 +56,15 @@ def _launch(name: str, nproc: int, target: list[str], *, dry_run: bool) -> int:
     spec = cls.launcher
     if spec.program_path() is None:
         raise ParallelxError(f"the {spec.name} launcher is not installed; {cls.install_hint}")
-    port = free_port()
-    cmd = spec.command([*target, "--backend", cls.name], nproc if spec.multi_process else 1, port=port)
+    target = [*target, "--backend", cls.name]
     if dry_run:
-        print(" ".join(cmd))
+        print(" ".join(spec.command(target, nproc if spec.multi_process else 1)))
         return 0
     try:
-        return subprocess.run(cmd, env={**os.environ, **spec.env()}).returncode
+        # On this terminal, no time limit: Ctrl-C reaches the launcher as from the shell.
+        return launch(spec, target, nproc, timeout=None, interactive=True).returncode
     except KeyboardInterrupt:
         return 130
-    finally:
-        if spec.cleanup is not None:
-            spec.cleanup(port)
 
 
 if __name__ == "__main__":

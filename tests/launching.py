@@ -1,12 +1,12 @@
 """Start real launchers (torchrun, horovodrun, deepspeed) from tests, with a
 hard timeout that kills the whole process tree: a hung collective fails its
 test instead of hanging the run.  The command lines come from each backend's
-own :class:`parallelx.launch.Launcher`."""
+own :class:`parallelx.launch.Launcher`, and the jobs run through
+:mod:`parallelx.runner`, as the command line's and the benchmarks' do."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallelx import backend_class
-from parallelx.launch import Launcher, free_port
+from parallelx import backend_class, runner
+from parallelx.launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -59,33 +59,12 @@ def launcher_for(launcher: str) -> Launcher:
 def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float = 240,
            env: dict[str, str] | None = None) -> Result:
     """Run ``target`` (``["-m", "mod", ...]`` or ``["file.py", ...]``) under ``launcher``."""
-    spec = launcher_for(launcher)
-    port = free_port()
-    cmd = spec.command(target, nproc if spec.multi_process else 1, port=port)
-    full_env = dict(os.environ)
-    # PYTHONFAULTHANDLER: a rank killed by a signal (a native abort) prints its Python stacks.
-    full_env.update(PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="120", PYTHONFAULTHANDLER="1",
-                    PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **spec.env())
-    full_env.update(env or {})
-    start = time.monotonic()
-    try:
-        return _run(launcher, cmd, full_env, timeout, start)
-    finally:
-        if spec.cleanup is not None:
-            spec.cleanup(port)  # a crashed or killed rank cannot clean up after itself
-
-
-def _run(launcher: str, cmd: list[str], full_env: dict[str, str], timeout: float, start: float) -> Result:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    done = runner.launch(launcher_for(launcher), target, nproc, timeout=timeout, cwd=ROOT,
+                         env={"PARALLELX_TIMEOUT": "120", **(env or {})})
+    if done.timed_out:
         pytest.fail(f"{launcher} job hung for more than {timeout:.0f}s and was killed:\n"
-                    + "\n".join(out.splitlines()[-40:]))
-    return Result(proc.returncode, out, time.monotonic() - start)
+                    + "\n".join(done.output.splitlines()[-40:]))
+    return Result(done.returncode, done.output, done.seconds)
 
 
 def run_with_grace(cmd: list[str], *, timeout: float, grace: float, what: str,
@@ -95,20 +74,10 @@ def run_with_grace(cmd: list[str], *, timeout: float, grace: float, what: str,
     SIGTERM first, so that it can take down the launch it is running and write
     what it has; past ``grace`` more its whole process group is killed, and
     the test fails with the output's tail."""
-    full_env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"{what} ran past {timeout:.0f}s:\n{output[-4000:]}")
-    return proc.returncode, output
+    done = runner.run(cmd, timeout=timeout, grace=grace, env=env, cwd=ROOT)
+    if done.timed_out:
+        pytest.fail(f"{what} ran past {timeout:.0f}s:\n{done.output[-4000:]}")
+    return done.returncode, done.output
 
 
 def require_launcher(launcher: str) -> None:
