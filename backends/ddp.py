@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 from parallelx.launch import Launcher, free_port
 from parallelx.log import warn
 from parallelx.process_group import ProcessGroupBackend
-from parallelx.utils import has_batchnorm
 
 TORCHRUN = Launcher(
     name="torchrun",
@@ -64,10 +63,6 @@ class DDPBackend(ProcessGroupBackend):
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if self.world_size > 1 and has_batchnorm(model):
-            warn("ddp: BatchNorm layers normalise with each process's own batch statistics (rank 0's running "
-                 "statistics are kept); model = backend.sync_batchnorm(model) before wrap_model gives "
-                 "global-batch statistics")
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)

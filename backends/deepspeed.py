@@ -170,6 +170,8 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
             raise ParallelxError("deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps "
                                  "after backend.backward(loss)")
         self.engine.step()
+        for hook in list(self._optimizer_step_post_hooks.values()):  # torch.optim's step hooks (parallelx.buffers)
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
@@ -486,6 +488,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 with self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
                     if self.is_main():
                         module.load_state_dict(state)
+                # Only the parameters are re-partitioned from rank 0: every rank
+                # loads the buffers (BatchNorm's statistics) itself.
+                with torch.no_grad():
+                    for name, buf in module.named_buffers():
+                        if name in state:
+                            buf.copy_(state[name])
             else:
                 module.load_state_dict(state)
             if self.zero_stage >= 1 and isinstance(target, DeepSpeedModel) and target.trains:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import checkpoint, log
+from . import buffers, checkpoint, log
 from .errors import ParallelxError
 from .launch import PYTHON, Launcher
 from .loop import SINGLE, LoopOptions, StepResult, Window, clip_to_norm, total_norm
@@ -124,6 +124,7 @@ class Backend(abc.ABC):
         #: The loss scaler of ``16-mixed`` (None otherwise, or when the backend scales by itself).
         self.grad_scaler: torch.amp.GradScaler | None = None
         self._watchdog: Watchdog | None = None
+        self._buffer_sync = buffers.BufferSync(lambda t: self.broadcast(t, src=0))
         self._constructed = True
 
     # ------------------------------------------------------------------ info
@@ -326,16 +327,23 @@ class Backend(abc.ABC):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to :attr:`device` and wrap it for this backend."""
         self._require_init()
+        buffers.warn_if_per_process(model, self.world_size)
         with keep_rng_state():
-            return self._wrap_model(model)
+            wrapped = self._wrap_model(model)
+        self._buffer_sync.track(self.unwrap(wrapped))
+        return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Wrap ``optimizer`` (built on the parameters of a model already passed
         to :meth:`wrap_model`).  The result is a ``torch.optim.Optimizer``: LR
         schedulers built on it afterwards work on every backend."""
         self._require_init()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         with keep_rng_state():
-            return self._wrap_optimizer(optimizer)
+            wrapped = self._wrap_optimizer(optimizer)
+        if self.world_size > 1:  # rank 0's buffers on every rank after each step (see parallelx.buffers)
+            self._buffer_sync.attach(params, wrapped)
+        return wrapped
 
     @abc.abstractmethod
     def _wrap_model(self, model: nn.Module) -> nn.Module:
@@ -663,7 +671,10 @@ class Backend(abc.ABC):
         if not has_batchnorm(model):
             return model
         with keep_rng_state():
-            return self._sync_batchnorm(model)
+            model = self._sync_batchnorm(model)
+        if self.world_size > 1:
+            buffers.mark_global_statistics(model)
+        return model
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         """The backend's own conversion.  This one reduces the statistics through

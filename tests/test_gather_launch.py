@@ -27,7 +27,11 @@ def job(request, tmp_path_factory):
     assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [rep["world_size"] for rep in reports] == [2, 2]
+    _OUTPUT[request.param] = res.output
     return reports
+
+
+_OUTPUT: dict[str, str] = {}
 
 
 def test_uneven_first_dims_concatenate_in_rank_order(job):
@@ -92,3 +96,29 @@ def test_converted_model_steps_under_the_backends_wrapper(job):
     for rep in job:
         assert rep["batchnorm"]["wrapped_step_ok"]
         assert rep["batchnorm"]["wrapped_state_spread"] == 0.0
+
+
+def test_distributed_validation_equals_one_process_on_the_saved_weights(job):
+    """Plain BatchNorm trained on per-rank shards: after every step each rank
+    holds rank 0's buffers, so the ranks' validation is the checkpoint's."""
+    for rep in job:
+        b = rep["buffers"]
+        for tag in ("trained", "resumed"):
+            dist, one = b[f"{tag}_dist"], b[f"{tag}_one_process"]
+            assert dist["count"] == one["count"] == 23, tag  # the padding duplicate left out
+            assert dist["correct"] == one["correct"], (tag, dist, one)
+            assert dist["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=0), (tag, dist, one)
+            assert b[f"{tag}_spread"] == 0.0, tag  # every rank's running statistics are rank 0's
+        assert b["loaded_spread"] == 0.0
+        assert b["resumed_dist"]["loss"] != b["trained_dist"]["loss"]  # the resumed run trained on
+    assert job[0]["buffers"]["trained_dist"] == job[1]["buffers"]["trained_dist"]
+    cost = job[0]["buffers"]["cost"]
+    print(f"buffer broadcast after a ResNet-18 step: {cost['sync_ms']:.2f} ms of a {cost['step_ms']:.1f} ms step "
+          f"({cost['sync_ms'] / cost['step_ms']:.1%})")
+
+
+def test_one_true_batchnorm_warning_per_job(request, job):
+    """Plain BatchNorm warns once per job, on every backend; the model passed
+    through sync_batchnorm first does not."""
+    output = _OUTPUT[request.node.callspec.params["job"]]
+    assert output.count("BatchNorm layers normalise with each process's own batch statistics") == 1, output[-3000:]
