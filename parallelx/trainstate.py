@@ -373,7 +373,8 @@ def _check_counters(counters: Mapping[str, int]) -> dict[str, int]:
         raise ParallelxError(f"counters must be a dict of str to int, got {type(counters).__name__}")
     bad = [k for k, v in counters.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)]
     if bad:
-        raise ParallelxError(f"counters must map names to ints; not so for {bad[:3]}")
+        raise ParallelxError(f"counters must map names to ints; not so for {bad[:3]}: give other loop state "
+                             "(floats such as a best accuracy, lists, dicts) as extra={...}")
     return {k: int(v) for k, v in counters.items()}
 
 

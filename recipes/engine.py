@@ -46,12 +46,6 @@ from parallelx.utils import threads_per_process
 
 from .data import EpochKeys, SeededSamples
 
-#: Set to a directory, every rank appends the dataset indices it trains on
-#: there (``samples-<pid>.txt``, lines ``epoch i j k ...``; padding left out):
-#: how the tests check that a resumed epoch sees every sample exactly once.
-LOG_SAMPLES_ENV = "PARALLELX_LOG_SAMPLES"
-
-
 @dataclass(frozen=True, kw_only=True)
 class FitConfig:
     epochs: int
@@ -222,14 +216,13 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
         sums.count = torch.tensor(p.count, dtype=torch.int64)
     start = time.perf_counter()
     shows_bar = backend.is_main()
-    sample_log = _sample_log(backend) if train else None
     # Training goes through backend.batches: accumulation windows, the same
     # number of batches on every rank; evaluation needs neither.
     batches = backend.batches(loader, limit=steps) if train else itertools.islice(loader, steps)
     bar = tqdm(batches, total=steps, desc=desc, disable=not shows_bar, leave=False, dynamic_ncols=True,
                mininterval=1.0)
     norm_sum = torch.tensor(p.norm_sum, dtype=torch.float32, device=backend.device)
-    optimizer_steps, skipped, position, stopped = p.optimizer_steps, p.skipped, 0, False
+    optimizer_steps, skipped, stopped = p.optimizer_steps, p.skipped, False
 
     def snapshot() -> EpochProgress:  # host syncs: only when a checkpoint is written
         return EpochProgress(batches=done + step + 1, optimizer_steps=optimizer_steps, skipped=skipped,
@@ -255,11 +248,6 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
                         skipped += result.skipped
                         norm_sum += result.grad_norm.to(norm_sum.device)
                 sums.update(per_sample, out.argmax(1) == y)
-                if sample_log is not None and len(batch) > 2:
-                    real = sampler.real_mask(position, len(y))
-                    sample_log.write(f"{epoch} {' '.join(str(int(i)) for i in batch[2][real])}\n")
-                    sample_log.flush()
-                position += len(y)
                 # .item() waits for the GPU: only on the rank that shows the bar, every 10th step.
                 if shows_bar and step % 10 == 0:
                     bar.set_postfix(loss=f"{per_sample.mean().item():.4f}")
@@ -272,8 +260,6 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
         bar.close()
         if hasattr(batches, "close"):
             batches.close()  # a pass left early: the backend's window bookkeeping ends too
-        if sample_log is not None:
-            sample_log.close()
     if stopped:
         return {"stopped": True}
     result = sums.compute(backend)
@@ -282,14 +268,6 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
         result.update(lr=optimizer.param_groups[0]["lr"], steps=optimizer_steps, skipped=skipped,
                       grad_norm=float(norm_sum) / max(1, optimizer_steps))
     return result
-
-
-def _sample_log(backend: Backend) -> Any:
-    folder = os.environ.get(LOG_SAMPLES_ENV)
-    if not folder:
-        return None
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    return open(Path(folder) / f"samples-{os.getpid()}.txt", "a")
 
 
 def _worker_message(message: str) -> str:

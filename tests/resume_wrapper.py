@@ -15,6 +15,7 @@ environment says:
                  ``val``    SIGKILL at the start of its k-th validation pass.
 ``PXT_DELAY``    seconds to sleep after every optimizer step (so that a test
                  can act from outside while the job runs).
+``PXT_SAMPLES``  a folder: each rank appends the dataset indices it trains on there.
 ``PXT_PIDS``     a folder: this process writes ``rank<R>-attempt<A>.pid`` there.
 """
 
@@ -90,14 +91,45 @@ def write(obj, path):  # type: ignore[no-untyped-def]
 
 
 _run_epoch = recipes.engine.run_epoch
+SAMPLES = os.environ.get("PXT_SAMPLES")
 
 
-def run_epoch(*args, **kwargs):  # type: ignore[no-untyped-def]
+class LoggedLoader:
+    """The training loader, appending each batch's real dataset indices (the
+    sampler's padding left out) to ``PXT_SAMPLES/samples-<pid>.txt`` as
+    ``epoch i j k ...`` lines: how the tests see that a resumed epoch trains
+    on every sample exactly once."""
+
+    def __init__(self, loader, epoch: int) -> None:  # type: ignore[no-untyped-def]
+        self.loader, self.epoch = loader, epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.loader, name)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        sampler = recipes.engine._sharded(self.loader)
+        position = 0
+        Path(SAMPLES).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+        with open(Path(SAMPLES) / f"samples-{os.getpid()}.txt", "a") as log:  # type: ignore[arg-type]
+            for batch in self.loader:
+                real = sampler.real_mask(position, len(batch[1]))
+                log.write(f"{self.epoch} {' '.join(str(int(i)) for i in batch[2][real])}\n")
+                log.flush()
+                position += len(batch[1])
+                yield batch
+
+
+def run_epoch(backend, model, loader, *args, **kwargs):  # type: ignore[no-untyped-def]
     if kwargs.get("optimizer") is None:
         _count["val"] += 1
         if ACTIONS.get("val") == _count["val"]:
             _die(f"SIGKILL at the start of validation pass {_count['val']}")
-    return _run_epoch(*args, **kwargs)
+    elif SAMPLES:
+        loader = LoggedLoader(loader, kwargs.get("epoch", 0))
+    return _run_epoch(backend, model, loader, *args, **kwargs)
 
 
 Backend.step = step  # type: ignore[method-assign]

@@ -274,7 +274,7 @@ def test_across_world_sizes_every_sample_once(data, reference, tmp_path):
     """2 processes (rank 1 alone gets SIGTERM after step 6) -> 1 process with the same
     global batch (SIGTERM after one step) -> 2 processes to the end."""
     out, logs = tmp_path / "out", tmp_path / "samples"
-    env = {"PARALLELX_LOG_SAMPLES": str(logs)}
+    env = {"PXT_SAMPLES": str(logs)}
     rc, output = job("torchrun", ["--resume", "auto"], out, data, env={**env, "PXT_ACTIONS": "0:term@6:1"})
     assert "preempted (a stop request on another rank)" in output and latest_step(out) == 6, output[-3000:]
     rc, output = job("torchrun", ["--resume", "auto"], out, data, nproc=1, batch=32,
