@@ -1,14 +1,13 @@
-"""Dogs-vs-Cats input-pipeline throughput: images/s that one DataLoader
-worker delivers (JPEG decode, resize, flip, normalise), to hold against the
-images/s the model consumes per process.
+"""Dogs-vs-Cats input-pipeline throughput: the images/s one DataLoader worker
+delivers (JPEG decode, resize, flip, normalise), to hold against the images/s
+the model consumes per process.
 
     python -m benchmarks.loader_bench --data-dir data/dogcat --image-size 64 --out loader.json
     python -m benchmarks.loader_bench --make 100 --data-dir /tmp/dogcat --image-size 64 --out loader.json
 
-``--make N`` first writes N generated JPEGs per class (``recipes.make_data``)
-into ``--data-dir``; the generated images are 64 to 320 pixels wide, smaller
-than Kaggle's photos (about 350 x 500), so a real data set decodes somewhat
-slower per image.
+``--make N`` first writes N generated JPEGs per class (``recipes.make_data``),
+64 to 320 pixels wide: smaller than Kaggle's photos (about 350 x 500), so a
+real data set decodes somewhat slower per image.
 """
 
 from __future__ import annotations
@@ -22,31 +21,29 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.workload import BenchError, exit_on_bench_error
+from benchmarks.workload import BenchError
+from parallelx.cli import exit_on_error
 
 
 def measure(dataset: torch.utils.data.Dataset, *, workers: int, batch: int, batches: int) -> dict[str, float]:
-    """Steady-state images/s of a shuffling DataLoader over ``batches`` batches
-    (the first batch, which pays for the worker's start-up, is not counted)."""
+    """Steady-state images/s over ``batches`` batches (the first pays for the worker's start-up: not counted)."""
     # Persistent workers: a new epoch must not pay for a worker start-up again.
     loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                         persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))
     seen, start, first_s = 0, time.perf_counter(), None
     while seen < batches:
-        for x, _ in loader:
+        for _ in loader:
             if first_s is None:
-                first_s = time.perf_counter() - start
-                start = time.perf_counter()
+                first_s, start = time.perf_counter() - start, time.perf_counter()
                 continue
             seen += 1
             if seen >= batches:
                 break
-    elapsed = time.perf_counter() - start
-    return {"workers": workers, "images_per_s": seen * batch / elapsed, "first_batch_s": first_s or 0.0,
-            "batches": seen, "batch": batch}
+    return {"workers": workers, "images_per_s": seen * batch / (time.perf_counter() - start),
+            "first_batch_s": first_s or 0.0, "batches": seen, "batch": batch}
 
 
-@exit_on_bench_error
+@exit_on_error
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", type=Path, required=True, help="a Kaggle-layout folder (train/cat.0.jpg ...)")
@@ -59,24 +56,21 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    try:
-        from recipes.data import DogCatDataset, scan_dogcat
-        from recipes.make_data import make_dogcat
-    except ImportError as exc:
-        raise BenchError(f"the Dogs-vs-Cats loader (recipes/data.py, recipes/make_data.py) is unavailable: "
-                         f"{exc}") from None
+    from recipes.data import DogCatDataset, scan_dogcat
+    from recipes.make_data import make_dogcat
+
     if args.make:
         make_dogcat(args.data_dir, n_per_class=args.make, seed=0)
     files, labels = scan_dogcat(args.data_dir)
     if len(files) < args.batch * 2:
         raise BenchError(f"{args.data_dir} has {len(files)} images; need at least {args.batch * 2} "
-                         f"(use --make N to generate some)")
+                         "(use --make N to generate some)")
     dataset = DogCatDataset(files, labels, args.image_size, train=True)
     results = [measure(dataset, workers=int(w), batch=args.batch, batches=args.batches)
                for w in args.workers.split(",")]
-    report = {"data_dir": str(args.data_dir), "generated": bool(args.make), "images": len(files),
-              "image_size": args.image_size, "threads": args.threads, "results": results}
-    args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps({"data_dir": str(args.data_dir), "generated": bool(args.make),
+                                    "images": len(files), "image_size": args.image_size, "threads": args.threads,
+                                    "results": results}, indent=1))
     for r in results:
         print(f"loader: {r['workers']} worker(s): {r['images_per_s']:.0f} images/s at {args.image_size}px")
     return 0

@@ -9,14 +9,12 @@ against 1 process with all the cores, measured side by side in one run.
 VGG16's 138 M parameters make a 553 MB gradient all-reduce per step; on a few
 CPU cores that costs about as much as the compute, so 2 DDP processes can
 train slower than 1 process using both cores.  Each configuration is one
-launch of ``benchmarks.loop_worker`` under its backend's launcher with
+launch of ``benchmarks.px_worker --loop`` under its backend's launcher with
 parallelx's own flags; the launches rotate every round (A B C, B C A, ...) so
-that a slow spell of the machine hits each alike.  Every process takes the
-same micro-batch (``--batch`` images); the 1-process runs take the global
-micro-batch of the N processes (N x ``--batch``), so every configuration does
-the same work per micro-batch step and images/s compare directly.  The
-accumulating configurations run ``LOOP_ACCUMULATE`` micro-batches per
-optimizer step, the 1-process baseline included in ``single-acc4``.
+that a slow spell of the machine hits each alike.  Every process takes
+``--batch`` images per micro-batch; the 1-process runs take the N processes'
+global micro-batch, so every configuration does the same work per
+micro-batch and images/s compare directly.
 
 Writes ``results.md`` and ``summary.json`` to ``--out-dir`` (default
 ``benchmarks/results/loops/``) and every window time to ``--raw`` (not committed).
@@ -27,19 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks import launch, plan, report, stats
-from benchmarks.run import command_line, drop_skipped, make_work_dir, positive_int, release_work_dir
-from benchmarks.workload import BenchError, Case, exit_on_bench_error
+from benchmarks.run import ROOT, Session, add_common
+from benchmarks.workload import BenchError, Case
+from parallelx.cli import exit_on_error, positive_int
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {c.name: c for c in plan.LOOPS}
 BASELINE, PLAIN = "single", "ddp"
 
@@ -56,18 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"timed micro-batches per launch, a multiple of {plan.LOOP_ACCUMULATE} (default: one window)")
     p.add_argument("--warmup", type=int, default=1, help="untimed micro-batches first, as one short window")
     p.add_argument("--repeats", type=positive_int, default=6, help="rounds of rotating launches (default 6)")
-    p.add_argument("--nproc", type=int, default=None, help="processes per distributed run (default: GPUs, else 2)")
-    p.add_argument("--no-bind", dest="bind_cores", action="store_false",
-                   help="leave the CPU processes unpinned (default: each on its own cores)")
     p.add_argument("--smoke", action="store_true",
                    help="32 px, batch 2, 1 round: checks that everything runs; its numbers mean nothing")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per launch before it is killed")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results" / "loops")
-    p.add_argument("--raw", type=Path, default=ROOT / "runs" / "bench" / "loops.json")
-    p.add_argument("--work-dir", type=Path, default=None, help="logs and plans (default: a temp dir)")
-    p.add_argument("--keep-work", action="store_true", help="keep the work dir")
     p.add_argument("--render", type=Path, default=None, metavar="RAW",
                    help="measure nothing: write results.md and summary.json from an earlier run's --raw file")
+    add_common(p, out_dir=ROOT / "benchmarks" / "results" / "loops", raw=ROOT / "runs" / "bench" / "loops.json",
+               timeout=900)
     args = p.parse_args(argv)
     args.configs = [x for x in args.only.split(",") if x]
     if bad := [x for x in args.configs if x not in CONFIGS]:
@@ -83,40 +72,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def accumulate(config: plan.LoopConfig) -> int:
-    opts = config.options
-    return int(opts[opts.index("--accumulate") + 1]) if "--accumulate" in opts else 1
-
-
 def schedule(args: argparse.Namespace, machine: plan.Machine, configs: list[str]) -> list[plan.Job]:
-    """Every launch, in order: each round runs every configuration once, the
-    order rotated by one each round."""
+    """Every launch, in order: each round runs every configuration once, the order rotated by one each round."""
     jobs = []
     for r in range(args.repeats):
         for name in configs[r % len(configs):] + configs[:r % len(configs)]:
             # A backend whose launcher starts one process (single) gets all the cores and the global micro-batch.
-            one = not launch.runner(CONFIGS[name].backend).launcher.multi_process
-            n = 1 if one else machine.nproc
+            one = not launch.spec(CONFIGS[name].backend).launcher.multi_process
             case = Case(model="vgg16", batch=args.batch * (machine.nproc if one else 1), image_size=args.image_size,
                         warmup=args.warmup, steps=args.steps, lr=0.001)
-            jobs.append(plan.Job(impl=f"loop-{name}", nproc=n, threads=machine.threads_1 if one else machine.threads_n,
-                                 cases=[case], repeat=r))
+            jobs.append(plan.Job(impl=f"loop-{name}", nproc=1 if one else machine.nproc, cases=[case], repeat=r,
+                                 threads=machine.threads_1 if one else machine.threads_n))
     return jobs
-
-
-def images_per_step(row: stats.Row) -> int:
-    return row["nproc"] * row["batch"]
-
-
-def round_images_per_s(row: stats.Row) -> list[float]:
-    return [images_per_step(row) / statistics.median(t) for t in row["round_step_times_s"]]
 
 
 def versus(row: stats.Row, ref: stats.Row | None) -> dict[str, Any] | None:
     """images/s of ``row`` over those of ``ref``, with the 95 % interval over rounds."""
     if ref is None or ref is row:
         return None
-    ia, ib = images_per_step(row), images_per_step(ref)
+    ia, ib = row["nproc"] * row["batch"], ref["nproc"] * ref["batch"]
     return {"ratio": row["images_per_s"] / ref["images_per_s"],
             "ci95": stats.round_interval(row, ref, lambda ta, tb: (ia / ta) / (ib / tb))}
 
@@ -125,39 +99,32 @@ def summarise(rows: list[stats.Row]) -> list[dict[str, Any]]:
     by = {r["impl"].removeprefix("loop-"): r for r in rows}
     out = []
     for name, config in CONFIGS.items():
-        row = by.get(name)
-        if row is None:
+        if (row := by.get(name)) is None:
             continue
-        per_round = round_images_per_s(row)
+        per_round = [row["nproc"] * row["batch"] / statistics.median(t) for t in row["round_step_times_s"]]
+        opts = config.options
         out.append({
-            "config": name, "label": config.label, "backend": config.backend, "options": " ".join(config.options),
+            "config": name, "label": config.label, "backend": config.backend, "options": " ".join(opts),
             "procs": row["nproc"], "threads": row["threads"], "micro_batch": row["batch"],
-            "accumulate": accumulate(config), "rounds": len(per_round),
-            "ms_per_micro_batch": row["median_step_s"] * 1000, "images_per_s": row["images_per_s"],
-            "images_per_s_rounds": [min(per_round), max(per_round)],
+            "accumulate": int(opts[opts.index("--accumulate") + 1]) if "--accumulate" in opts else 1,
+            "rounds": len(per_round), "ms_per_micro_batch": row["median_step_s"] * 1000,
+            "images_per_s": row["images_per_s"], "images_per_s_rounds": [min(per_round), max(per_round)],
             "vs_single": versus(row, by.get(BASELINE)),
             "vs_ddp": versus(row, by.get(PLAIN)) if row["nproc"] > 1 and name != PLAIN else None,
-            "peak_rss_mib": row["peak_rss_mib"], "buys": config.buys,
-        })
+            "peak_rss_mib": row["peak_rss_mib"], "buys": config.buys})
     return out
 
 
 def _ratio(v: dict[str, Any] | None, bold: bool = False) -> str:
     if v is None:
         return "-"
-    text = f"{v['ratio']:.2f}x"
-    return (f"**{text}**" if bold else text) + report._ci(v["ci95"], "{:.2f}")
+    return (f"**{v['ratio']:.2f}x**" if bold else f"{v['ratio']:.2f}x") + report.ci(v["ci95"], "{:.2f}")
 
 
 def markdown(result: dict[str, Any]) -> str:
-    meta, table = result["meta"], result["table"]
-    hw, v, m = meta["hardware"], meta["versions"], meta["machine"]
+    meta, m = result["meta"], result["meta"]["machine"]
     lines = [
-        "# Training-loop options: Dogs-vs-Cats VGG16, 2 processes against 1", "",
-        f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
-        f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
-        f"{', '.join(hw['gpus']) or 'no GPU'}",
-        "- Software: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "parallelx"),
+        "# Training-loop options: Dogs-vs-Cats VGG16, 2 processes against 1", "", *report.header(meta),
         f"- Workload: VGG16 (138 M parameters, 553 MB of float32 gradients), {meta['image_size']} px, "
         f"{meta['batch']} images per process per micro-batch ({m['nproc']} processes x {m['threads_n']} thread(s), "
         f"{m['comm']}); 1 process x {m['threads_1']} threads takes the same global micro-batch "
@@ -172,40 +139,35 @@ def markdown(result: dict[str, Any]) -> str:
         "Ratios carry a 95 % bootstrap interval over the rounds (none with fewer than 3).", "",
         "| configuration | procs x threads | ms / micro-batch | images/s | range over rounds | "
         "vs 1 process [95 %] | vs plain DDP [95 %] | what the option buys |",
-        "|---|---|---:|---:|---|---:|---:|---|",
-    ]
-    for t in table:
+        "|---|---|---:|---:|---|---:|---:|---|"]
+    for t in result["table"]:
         lo, hi = t["images_per_s_rounds"]
         opts = f" (`{t['options']}`)" if t["options"] else ""
+        vs_single = "baseline" if t["config"] == BASELINE else _ratio(t["vs_single"], bold=t["procs"] > 1)
         lines.append(f"| {t['label']}{opts} | {t['procs']} x {t['threads']} | {t['ms_per_micro_batch']:,.0f} | "
-                     f"**{t['images_per_s']:.2f}** | {lo:.2f}-{hi:.2f} | "
-                     f"{'baseline' if t['config'] == BASELINE else _ratio(t['vs_single'], bold=t['procs'] > 1)} | "
-                     f"{_ratio(t['vs_ddp'])} | {t['buys']} |")
+                     f"**{t['images_per_s']:.2f}** | {lo:.2f}-{hi:.2f} | {vs_single} | {_ratio(t['vs_ddp'])} | "
+                     f"{t['buys']} |")
     if result["failures"]:
         lines += ["", "Failed launches: " + "; ".join(f["job"] for f in result["failures"])]
-    lines += ["", "Launches (s): " + ", ".join(f"{x['job']} {x['seconds']}" + ("" if x["ok"] else " FAILED")
-                                            for x in meta["launches"]), ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "Launches (s): " + ", ".join(
+        f"{x['job']} {x['seconds']}" + ("" if x["ok"] else " FAILED") for x in meta["launches"]), ""])
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    meta = result["meta"]
+    meta, m = result["meta"], result["meta"]["machine"]
     keep = ("command", "started", "wall_s", "image_size", "batch", "warmup", "steps", "repeats",
             "load_average_start", "load_average_end")
-    env = {"hardware": meta["hardware"], "versions": meta["versions"], "processes": meta["machine"]["nproc"],
-           "threads": [meta["machine"]["threads_n"], meta["machine"]["threads_1"]],
-           "bind_cores": meta["machine"]["bind_cores"]}
+    env = {"hardware": meta["hardware"], "versions": meta["versions"], "processes": m["nproc"],
+           "threads": [m["threads_n"], m["threads_1"]], "bind_cores": m["bind_cores"]}
 
     def rounded(t: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in t.items() if k not in ("buys", "label")}
-        for k in ("ms_per_micro_batch", "peak_rss_mib"):
-            out[k] = round(out[k], 1)
-        out["images_per_s"] = round(out["images_per_s"], 3)
-        out["images_per_s_rounds"] = [round(x, 3) for x in out["images_per_s_rounds"]]
+        out.update(ms_per_micro_batch=round(t["ms_per_micro_batch"], 1), peak_rss_mib=round(t["peak_rss_mib"], 1),
+                   images_per_s=round(t["images_per_s"], 3), images_per_s_rounds=[round(x, 3) for x in
+                                                                                  t["images_per_s_rounds"]])
         for k in ("vs_single", "vs_ddp"):
-            if out[k] is not None:
-                out[k] = {"ratio": round(out[k]["ratio"], 3),
-                          "ci95": [round(x, 3) for x in out[k]["ci95"]] if out[k]["ci95"] else None}
+            if (v := t[k]) is not None:
+                out[k] = {"ratio": round(v["ratio"], 3), "ci95": v["ci95"] and [round(x, 3) for x in v["ci95"]]}
         return out
 
     return {"meta": {k: meta[k] for k in keep}, "env": env, "table": [rounded(t) for t in result["table"]],
@@ -222,7 +184,7 @@ def write(result: dict[str, Any], out_dir: Path, raw: Path | None) -> None:
         raw.write_text(json.dumps(result, indent=1) + "\n")
 
 
-@exit_on_bench_error
+@exit_on_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
@@ -230,41 +192,27 @@ def main(argv: list[str] | None = None) -> int:
         result["table"] = summarise(result["runs"])
         write(result, args.out_dir, None)
         return 0
-    signal.signal(signal.SIGTERM, launch.on_sigterm)
-    started, load_start = time.time(), os.getloadavg()
-    machine = plan.detect_machine(args.nproc, bind_cores=args.bind_cores)
+    session = Session(args, argv, "benchmarks.loops", "loops")
+    machine = session.machine
     if machine.nproc < 2:
         raise BenchError("the loop comparison needs 2 or more processes; use --nproc 2")
     skipped = {n: why for n in args.configs if (why := launch.unavailable(CONFIGS[n].backend))}
-    configs = drop_skipped(args.configs, skipped, "loops")
-    work = make_work_dir(args.work_dir, "parallelx-loops-")
+    configs = session.drop_skipped(args.configs, skipped)
     print(f"[loops] VGG16 {args.image_size} px, batch {args.batch} per process; {machine.nproc} processes x "
           f"{machine.threads_n} thread(s) against 1 x {machine.threads_1}; {args.repeats} round(s) of "
-          f"{', '.join(configs)}; work dir {work}", flush=True)
+          f"{', '.join(configs)}; work dir {session.work}", flush=True)
     jobs = schedule(args, machine, configs)
     for job in jobs:
-        launch.run_job(job, machine, work, args.timeout)
+        launch.run_job(job, machine, session.work, args.timeout)
         print(f"[loops] load average {os.getloadavg()[0]:.2f}", flush=True)
-    rows = stats.collect(jobs, work)
+    rows = stats.collect(jobs, session.work)
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
-    release_work_dir(args, work, failures, "loops")
-    result = {
-        "meta": {
-            "command": command_line("benchmarks.loops", argv),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "wall_s": round(time.time() - started, 1), "image_size": args.image_size, "batch": args.batch,
-            "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "configs": configs,
-            "skipped": skipped, "load_average_start": load_start, "load_average_end": os.getloadavg(),
-            "hardware": report.hardware(machine.cores, machine.gpu_names), "versions": report.versions(),
-            "machine": asdict(machine),
-            "launches": [{"job": j.tag, "seconds": round(j.seconds, 1), "ok": j.error is None} for j in jobs],
-        },
-        "runs": rows, "table": summarise(rows), "failures": failures,
-    }
+    meta = session.finish(jobs, failures, image_size=args.image_size, batch=args.batch, warmup=args.warmup,
+                          steps=args.steps, repeats=args.repeats, configs=configs, skipped=skipped)
+    result = {"meta": meta, "runs": rows, "table": summarise(rows), "failures": failures}
     write(result, args.out_dir, args.raw)
     print(markdown(result), flush=True)
-    print(f"[loops] done in {result['meta']['wall_s']:.0f}s: {args.out_dir}/results.md, summary.json, {args.raw}",
-          flush=True)
+    print(f"[loops] done in {meta['wall_s']:.0f}s: {args.out_dir}/results.md, summary.json, {args.raw}", flush=True)
     return 1 if failures else 0
 
 

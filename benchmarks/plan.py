@@ -35,7 +35,7 @@ class Impl:
 @dataclass(frozen=True, kw_only=True)
 class LoopConfig:
     """One configuration of ``benchmarks.loops``: a backend with training-loop
-    options (parallelx's command-line flags), through ``benchmarks.loop_worker``."""
+    options (parallelx's command-line flags), through ``benchmarks.px_worker --loop``."""
 
     name: str
     backend: str
@@ -75,21 +75,20 @@ LOOPS_DEFAULT = ("single", "single-acc4", "ddp", "ddp-acc4", "ddp-bf16", "ddp-ac
 
 
 def _impls() -> dict[str, Impl]:
-    out = []
-    for f in FAMILIES:
-        out += [Impl(name=f"raw-{f}", family=f, module=f"benchmarks.raw_{f}", label=f"{TITLES[f]} (plain)"),
-                Impl(name=f"px-{f}", family=f, module="benchmarks.px_worker", args=("--backend", f),
-                     label=f"{TITLES[f]} (parallelx)")]
-    out.append(Impl(name="accelerate", family="accelerate", module="benchmarks.raw_accelerate", label="Accelerate"))
-    # --control: each plain script a second time, compared with itself.  No
-    # difference exists by construction, so its ratio and interval show what
-    # the machine's noise alone makes of a parallelx / plain ratio.
-    out += [Impl(name=f"ctl-{f}", family=f, module=f"benchmarks.raw_{f}", label=f"{TITLES[f]} (plain, again)")
-            for f in FAMILIES]
+    def plain(name: str, family: str, label: str) -> Impl:
+        return Impl(name=name, family=family, module="benchmarks.plain", args=("--framework", family), label=label)
+
+    px = "benchmarks.px_worker"
+    out = [i for f in FAMILIES for i in (plain(f"raw-{f}", f, f"{TITLES[f]} (plain)"), Impl(
+        name=f"px-{f}", family=f, module=px, args=("--backend", f), label=f"{TITLES[f]} (parallelx)"))]
+    out.append(plain("accelerate", "accelerate", "Accelerate"))
+    # --control: each plain script a second time, compared with itself.  No difference exists by
+    # construction, so its ratio and interval show what the machine's noise alone makes of a ratio.
+    out += [plain(f"ctl-{f}", f, f"{TITLES[f]} (plain, again)") for f in FAMILIES]
     out += [Impl(name=f"same-{f}", family=f, module="benchmarks.same_process", args=("--backend", f),
                  label=f"{TITLES[f]} (same process)", paired=True) for f in FAMILIES]
-    out += [Impl(name=f"loop-{c.name}", family=c.backend, module="benchmarks.loop_worker",
-                 args=("--backend", c.backend, *c.options), label=c.label) for c in LOOPS]
+    out += [Impl(name=f"loop-{c.name}", family=c.backend, module=px, label=c.label,
+                 args=("--backend", c.backend, "--loop", *c.options)) for c in LOOPS]
     return {i.name: i for i in out}
 
 

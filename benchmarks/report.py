@@ -9,10 +9,7 @@ time goes only to the raw JSON, which is not committed.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,25 +17,6 @@ from typing import Any
 from benchmarks.plan import IMPLS
 
 FILES = ("results.md", "summary.json", "results.png")
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in ("torch", "torchvision", "deepspeed", "horovod", "accelerate", "parallelx"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def hardware(cores: int, gpu_names: list[str]) -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
-               platform.processor() or platform.machine())
-    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"arch": platform.machine(), "cpu": cpu, "cores": cores, "gpus": gpu_names, "os": platform.platform(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * pages / 2**30, 1) if pages else None}
 
 
 def write_all(result: dict[str, Any], out_dir: Path, raw: Path | None = None) -> list[Path]:
@@ -71,7 +49,7 @@ def _fmt(x: float | None, digits: int | None = None) -> str:
     return f"{x:,.{digits}f}"
 
 
-def _ci(interval: list[float] | None, fmt: str = "{:.3f}") -> str:
+def ci(interval: list[float] | None, fmt: str = "{:.3f}") -> str:
     return "" if not interval else " [" + ", ".join(fmt.format(v) for v in interval) + "]"
 
 
@@ -79,7 +57,7 @@ def _x(entry: dict[str, Any] | None, bold: bool = False) -> str:
     if entry is None:
         return "-"
     text = f"{entry['speedup']:.2f}x"
-    return (f"**{text}**" if bold else text) + _ci(entry.get("ci95"), "{:.2f}")
+    return (f"**{text}**" if bold else text) + ci(entry.get("ci95"), "{:.2f}")
 
 
 def _weights(c: dict[str, Any]) -> str:
@@ -89,17 +67,22 @@ def _weights(c: dict[str, Any]) -> str:
     return ("identical" if c["weights_equal"] else f"{diff:.2g}") + ("" if c["weights_passed"] else " **FAIL**")
 
 
+def header(meta: dict[str, Any]) -> list[str]:
+    """The lines every report starts with: how it was run, and on what."""
+    hw = meta["hardware"]
+    return [f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
+            f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
+            f"{', '.join(hw['gpus']) or 'no GPU'}",
+            "- Software: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items() if k != "parallelx")]
+
+
 def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
-    hw, v, m, p = meta["hardware"], meta["versions"], meta["machine"], meta["preset"]
+    m, p = meta["machine"], meta["preset"]
     pinned = ("each process pinned to its own core(s), the same for every implementation" if m.get("bind_cores")
               else "processes not pinned to cores")
     lines = [
-        f"# Benchmark results ({meta['mode']} mode)", "",
-        f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
-        f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
-        f"{', '.join(hw['gpus']) or 'no GPU'}",
-        "- Software: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "parallelx"),
+        f"# Benchmark results ({meta['mode']} mode)", "", *header(meta),
         f"- Processes: {m['nproc']} per run ({m['comm']}), {m['threads_n']} torch thread(s) each; 1-process runs "
         f"use {m['threads_1']}; {pinned}",
         f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f}",
@@ -126,7 +109,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {_label(c['impl'])} / {_label(c['baseline'])} | {how} | {c['case_id']} | {c['nproc']} | "
                 f"{_ms(c['median_step_s'])} | {_ms(c['baseline_median_step_s'])} | "
-                f"**{c['ratio']:.3f}**{_ci(c['ci95'])} | {sum(r < 1 for r in rounds)} of {len(rounds)}, "
+                f"**{c['ratio']:.3f}**{ci(c['ci95'])} | {sum(r < 1 for r in rounds)} of {len(rounds)}, "
                 f"{min(rounds):.3f}-{max(rounds):.3f} | {_fmt(c['ratio_p10'], 3)} | {_weights(c)} |")
         lines.append("")
 
@@ -226,8 +209,7 @@ def compact_json(obj: dict[str, Any]) -> str:
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
-    """Throughput of each implementation per main case, the ratios with their
-    intervals and single rounds, and the LeNet scaling curve."""
+    """Throughput of each implementation per main case, and the ratios with their intervals and single rounds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,12 +217,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
     n, p = result["meta"]["machine"]["nproc"], result["meta"]["preset"]
     runs = [r for r in result["runs"] if r["nproc"] == n and (r["model"] == "vgg16" or r["batch"] == p["lenet_batch"])]
-    cases = list(dict.fromkeys(r["case_id"] for r in runs))
     ratios = [c for c in result["comparisons"] if c["nproc"] == n]
-    panels = [*cases, *(["ratios"] if ratios else []), *(["scaling"] if result["scaling"] else [])] or ["empty"]
-    cols = min(2, len(panels))
-    fig, grid = plt.subplots(-(-len(panels) // cols), cols, figsize=(6.4 * cols, 4.4 * -(-len(panels) // cols)),
-                             squeeze=False)
+    panels = [*dict.fromkeys(r["case_id"] for r in runs), *(["ratios"] if ratios else [])] or ["empty"]
+    rows_n, cols = -(-len(panels) // 2), min(2, len(panels))
+    fig, grid = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.4 * rows_n), squeeze=False)
     axes = [ax for row in grid for ax in row]
     for ax in axes[len(panels):]:
         ax.set_visible(False)
@@ -262,20 +242,6 @@ def chart(result: dict[str, Any], path: Path) -> None:
             ax.axhline(result["meta"]["ratio_target"], color="red", ls="--", lw=0.8, label="target")
             ax.set_title(f"median step time, measured / plain, {n} processes", fontsize=9)
             ax.tick_params(axis="x", labelsize=6, rotation=45)
-            ax.legend(fontsize=7)
-        elif panel == "scaling":
-            for sc_impl in dict.fromkeys(x["impl"] for x in result["scaling"]):
-                for key, style in (("same_threads", "-"), ("all_cores", "--")):
-                    pts = sorted((x["batch"], x[key]["speedup"]) for x in result["scaling"]
-                                 if x["impl"] == sc_impl and x["model"] == "lenet" and key in x)
-                    if pts:
-                        ax.plot(*zip(*pts), style, marker="o", label=f"{_label(sc_impl)} vs 1 process, "
-                                f"{key.replace('_', ' ')}")
-            ax.axhline(n, color="black", lw=0.8, ls=":", label=f"ideal ({n}x)")
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="LeNet images per process per step", ylabel=f"speedup, {n} processes vs 1",
-                   title="LeNet scaling")
-            ax.set_ylim(bottom=0)
             ax.legend(fontsize=7)
         elif panel != "empty":
             rows = [r for r in runs if r["case_id"] == panel]

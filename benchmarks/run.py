@@ -7,12 +7,12 @@ its plain hand-written script, side by side on one machine.
     python -m benchmarks.run --only ddp,scaling --models lenet
 
 What runs is planned in ``plan.py``, started in ``launch.py`` (each backend's
-own launcher, a timeout that kills the whole process group), summarised in
-``stats.py`` and written by ``report.py``: ``results.md``, ``summary.json``
-and ``results.png`` in ``--out-dir`` (default ``benchmarks/results/``), and
-every step time in ``--raw`` (default ``runs/bench/results.json``, not
-committed).  The exit status is 1 when a launch failed or final weights
-differ between parallelx and the plain script.
+own launcher through ``parallelx.runner``), summarised in ``stats.py`` and
+written by ``report.py``: ``results.md``, ``summary.json`` and
+``results.png`` in ``--out-dir`` (default ``benchmarks/results/``), and every
+step time in ``--raw`` (default ``runs/bench/results.json``, not committed).
+The exit status is 1 when a launch failed or final weights differ between
+parallelx and the plain script.
 """
 
 from __future__ import annotations
@@ -30,16 +30,23 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import launch, plan, report, stats
-from benchmarks.workload import BenchError, exit_on_bench_error
+from benchmarks.workload import BenchError
+from parallelx import envreport
+from parallelx.cli import exit_on_error, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def add_common(p: argparse.ArgumentParser, *, out_dir: Path, raw: Path, timeout: float | None) -> None:
+    """The options ``benchmarks.run`` and ``benchmarks.loops`` share."""
+    p.add_argument("--nproc", type=int, default=None, help="processes per distributed run (default: GPUs, else 2)")
+    p.add_argument("--no-bind", dest="bind_cores", action="store_false",
+                   help="leave the CPU processes unpinned (default: each on its own cores)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per launch before it is killed")
+    p.add_argument("--out-dir", type=Path, default=out_dir, help="results.md, summary.json (default: %(default)s)")
+    p.add_argument("--raw", type=Path, default=raw, help="every step time as JSON (default: %(default)s)")
+    p.add_argument("--work-dir", type=Path, default=None, help="logs, plans and weights (default: a temp dir)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, final weights)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,24 +57,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)})")
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
     p.add_argument("--image-size", type=int, default=None, help="VGG16 / loader image size (default: the mode's)")
-    p.add_argument("--nproc", type=int, default=None, help="processes per run (default: the GPU count, else 2)")
     p.add_argument("--repeats", type=positive_int, default=None, help="rounds of alternating launches")
     p.add_argument("--control", action="store_true",
                    help="also run each plain script a second time and compare it with itself: the noise floor")
     p.add_argument("--blocks", type=positive_int, default=None,
                    help="same-process part: alternating blocks of each implementation (default: the mode's)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed LeNet steps per launch")
-    p.add_argument("--no-bind", dest="bind_cores", action="store_false",
-                   help="leave the CPU processes unpinned (default: each on its own cores)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per launch before it is killed")
     p.add_argument("--dogcat-dir", type=Path, default=None,
                    help="a real Dogs-vs-Cats folder for the loader benchmark (default: generated images)")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results",
-                   help="results.md, summary.json, results.png")
-    p.add_argument("--raw", type=Path, default=ROOT / "runs" / "bench" / "results.json",
-                   help="every step time as JSON (for python -m benchmarks.report)")
-    p.add_argument("--work-dir", type=Path, default=None, help="logs, plans and weights (default: a temp dir)")
-    p.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, final weights)")
+    add_common(p, out_dir=ROOT / "benchmarks" / "results", raw=ROOT / "runs" / "bench" / "results.json", timeout=None)
     args = p.parse_args(argv)
     args.parts, args.model_list = [x for x in args.only.split(",") if x], [x for x in args.models.split(",") if x]
     for option, given, valid in (("--only", args.parts, plan.PARTS), ("--models", args.model_list, ("lenet", "vgg16"))):
@@ -93,49 +91,50 @@ def skip_reasons(parts: list[str], nproc: int) -> dict[str, str]:
     return out
 
 
-def drop_skipped(names: list[str], skipped: dict[str, str], tag: str) -> list[str]:
-    """``names`` less the ``skipped`` ones, each skip said on stderr with why."""
-    for name, why in skipped.items():
-        print(f"[{tag}] skipping {name}: {why}", file=sys.stderr)
-    return [n for n in names if n not in skipped]
+class Session:
+    """What both command lines do around their launches: the SIGTERM handler
+    (a timeout from outside still writes the results), the machine, the
+    skipped parts said on stderr, the work dir, and the results' ``meta``."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str] | None, module: str, tag: str) -> None:
+        signal.signal(signal.SIGTERM, launch.on_sigterm)
+        self.args, self.tag, self.started, self.load_start = args, tag, time.time(), os.getloadavg()
+        self.command = f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:])
+        self.machine = plan.detect_machine(args.nproc, bind_cores=args.bind_cores)
+        self.work = args.work_dir or Path(tempfile.mkdtemp(prefix=f"parallelx-{tag}-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def drop_skipped(self, names: list[str], skipped: dict[str, str]) -> list[str]:
+        for name, why in skipped.items():
+            print(f"[{self.tag}] skipping {name}: {why}", file=sys.stderr)
+        return [n for n in names if n not in skipped]
+
+    def finish(self, jobs: list[plan.Job], failures: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """Remove a temporary work dir unless a launch failed (then its logs stay); the results' ``meta``."""
+        if self.args.work_dir is None and not self.args.keep_work:
+            if failures:
+                print(f"[{self.tag}] keeping the logs of the failed run in {self.work}", file=sys.stderr)
+            else:
+                shutil.rmtree(self.work, ignore_errors=True)
+        m = self.machine
+        return {"command": self.command, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started)),
+                "wall_s": round(time.time() - self.started, 1), **extra, "load_average_start": self.load_start,
+                "load_average_end": os.getloadavg(), "hardware": envreport.hardware(),
+                "versions": envreport.versions(), "machine": asdict(m),
+                "launches": [{"job": j.tag, "seconds": round(j.seconds, 1), "ok": j.error is None} for j in jobs]}
 
 
-def make_work_dir(given: Path | None, prefix: str) -> Path:
-    """``--work-dir``, or a fresh temporary directory named ``prefix...``; created."""
-    work = given or Path(tempfile.mkdtemp(prefix=prefix))
-    work.mkdir(parents=True, exist_ok=True)
-    return work
-
-
-def release_work_dir(args: argparse.Namespace, work: Path, failures: list[dict[str, Any]], tag: str) -> None:
-    """Remove a temporary work dir (neither ``--work-dir`` nor ``--keep-work``
-    given), unless a launch failed: then its logs stay, and stderr says where."""
-    if args.work_dir is None and not args.keep_work:
-        if failures:
-            print(f"[{tag}] keeping the logs of the failed run in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-def command_line(module: str, argv: list[str] | None) -> str:
-    """How this run was started, for the results' ``meta``."""
-    return f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:])
-
-
-@exit_on_bench_error
+@exit_on_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, launch.on_sigterm)
-    started, load_start = time.time(), os.getloadavg()
     preset = preset_from(args)
-    machine = plan.detect_machine(args.nproc, bind_cores=args.bind_cores)
+    session = Session(args, argv, "benchmarks.run", "bench")
+    machine, work = session.machine, session.work
     if machine.gpus == 0 and machine.nproc > machine.cores:
         print(f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
               file=sys.stderr)
     skipped = skip_reasons(args.parts, machine.nproc)
-    parts = drop_skipped(args.parts, skipped, "bench")
-
-    work = make_work_dir(args.work_dir, "parallelx-bench-")
+    parts = session.drop_skipped(args.parts, skipped)
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
           f"(1-process runs: {machine.threads_1}), {machine.comm}, "
           f"{'pinned to cores' if machine.bind_cores else 'not pinned'}; work dir {work}", flush=True)
@@ -154,31 +153,19 @@ def main(argv: list[str] | None = None) -> int:
                                   batches=preset.loader_batches, per_class=preset.loader_per_class,
                                   data_dir=args.dogcat_dir, timeout_s=preset.timeout_s), rows, machine.nproc)
     finally:
-        if not args.keep_work:
-            # Final weights are large (VGG16: 0.5 GB per run); logs are not.
+        if not args.keep_work:  # final weights are large (VGG16: 0.5 GB per run); logs are not
             for path in (work / "out").glob("*/*.weights.pt"):
                 path.unlink()
-
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
     if loader and "error" in loader:
         failures.append({"job": "loader", "error": loader["error"]})
-    release_work_dir(args, work, failures, "bench")
-    result = {
-        "meta": {
-            "command": command_line("benchmarks.run", argv),
-            "mode": args.mode, "preset": asdict(preset), "parts": parts, "control": args.control,
-            "models": args.model_list, "skipped": skipped,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "wall_s": time.time() - started, "load_average_start": load_start, "load_average_end": os.getloadavg(),
-            "hardware": report.hardware(machine.cores, machine.gpu_names), "versions": report.versions(),
-            "machine": asdict(machine), "weight_tolerance": stats.WEIGHT_ATOL, "ratio_target": stats.RATIO_TARGET,
-            "launches": [{"job": j.tag, "seconds": round(j.seconds, 1), "ok": j.error is None} for j in jobs],
-        },
-        "runs": rows, "comparisons": comparisons, "scaling": stats.scaling(rows), "loader": loader,
-        "failures": failures,
-    }
+    meta = session.finish(jobs, failures, mode=args.mode, preset=asdict(preset), parts=parts, control=args.control,
+                          models=args.model_list, skipped=skipped, weight_tolerance=stats.WEIGHT_ATOL,
+                          ratio_target=stats.RATIO_TARGET)
+    result = {"meta": meta, "runs": rows, "comparisons": comparisons, "scaling": stats.scaling(rows),
+              "loader": loader, "failures": failures}
     paths = report.write_all(result, args.out_dir, args.raw)
-    print(f"[bench] done in {result['meta']['wall_s']:.0f}s: " + ", ".join(map(str, paths)), flush=True)
+    print(f"[bench] done in {meta['wall_s']:.0f}s: " + ", ".join(map(str, paths)), flush=True)
     bad = [c for c in comparisons if c["max_abs_weight_diff"] is not None and not c["weights_passed"]]
     for c in bad:
         print(f"[bench] WEIGHTS DIFFER: {c['impl']} vs {c['baseline']} ({c['how']}) on {c['case_id']} "

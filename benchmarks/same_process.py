@@ -3,20 +3,16 @@
     python -m parallelx launch deepspeed -n 2 -- -m benchmarks.same_process --plan plan.json --blocks 10
 
 Separate launches of the plain script and of parallelx differ by 5-20 % from
-one launch to the next on a shared machine (where the scheduler puts the
-threads, what else runs), far more than the 2 % in question.  Here one
-launch builds both: the plain script's own ``prepare`` (``raw_ddp``,
-``raw_horovod``, ``raw_deepspeed``) and ``px_worker.prepare`` through
-parallelx, on two copies of the same initial model.  It then alternates
-blocks of timed steps, plain then parallelx, parallelx then plain, and so on,
-so that both meet the same process, the same threads and the same moment of
-the machine.  Both models see the same batches in the same order, so their
-final weights must also agree.
-
-The process group comes from parallelx's ``backend.init()``; the plain
+one launch to the next on a shared machine, far more than the 2 % in
+question.  Here one launch builds both the plain step (``benchmarks.plain``'s
+``prepare``) and parallelx's (``px_worker.prepare``) on two copies of the same
+initial model, then alternates blocks of timed steps (plain then parallelx,
+parallelx then plain, ...), so that both meet the same process, threads and
+moment of the machine.  Both see the same batches in the same order, so
+their final weights must also agree.  The process group is parallelx's; the
 frameworks' own initialisation (``hvd.init()``, ``deepspeed.init_distributed()``)
-finds it already done.  This measures the per-step path only: set-up and
-launch costs are in the separate-launch comparison of ``benchmarks.run``.
+finds it done.  Set-up and launch costs are in ``benchmarks.run``'s
+separate-launch comparison.
 """
 
 from __future__ import annotations
@@ -25,45 +21,33 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import parallelx
 import parallelx.loop
-from benchmarks import px_worker, raw_ddp, raw_deepspeed, raw_horovod, workload
+from benchmarks import plain, px_worker, workload
 from parallelx.cli import exit_on_error
 
-#: The plain script's training step for a case, in processes that the
-#: parallelx backend has already initialised.
-PLAIN: dict[str, Callable[[workload.Case, parallelx.Backend], tuple[workload.Step, torch.nn.Module]]] = {
-    "ddp": lambda case, backend: raw_ddp.prepare(case, backend.device, backend.local_rank),
-    "horovod": lambda case, backend: raw_horovod.prepare(case, backend.device),
-    "deepspeed": lambda case, backend: raw_deepspeed.prepare(case, None),
-}
+#: The backends that have a plain counterpart here.
+BACKENDS = ("ddp", "horovod", "deepspeed")
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
 
 
-def _autocast(precision: str) -> Callable[[torch.device], contextlib.AbstractContextManager[object]]:
-    """``torch.autocast`` for ``precision`` (``--precision`` as parallelx defines it), around the whole step."""
-    dtype = parallelx.loop.LoopOptions(precision=precision).autocast_dtype
-    return lambda device: contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-autocast = _autocast("32")
-
-
-def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Backend) -> None:
+def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Backend, precision: str) -> None:
     """Every case of ``plan``: ``blocks_n`` blocks of each step, alternating; one result file per rank."""
     workload.check_world_size(plan, backend.world_size)
+    # --precision as parallelx defines it, around both implementations' whole step.
+    dtype = parallelx.loop.LoopOptions(precision=precision).autocast_dtype
+    world = plain.World(backend.rank, backend.local_rank, backend.world_size, backend.device)
     for case in plan.cases:
         workload.apply_threads(plan, case, local_rank=backend.local_rank)
         # Both builds start from the same seeded weights (build_model seeds).
-        steps = {"plain": PLAIN[name](case, backend), "parallelx": px_worker.prepare(backend, case)}
+        steps = {"plain": plain.FRAMEWORKS[name][1](case, world), "parallelx": px_worker.prepare(backend, case)}
         batches = workload.synthetic_batches(case, backend.rank, backend.device)
         workload.seed_steps(case, backend.rank)
         blocks: dict[str, list[list[float]]] = {"plain": [], "parallelx": []}
@@ -73,41 +57,34 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
                 times: list[float] = []
                 for x, y in workload.timed_steps(case, batches, backend.device, times,
                                                  first=len(blocks[impl]) * (case.warmup + case.steps)):
-                    with autocast(backend.device):  # both implementations, the same mixed precision
+                    with (contextlib.nullcontext() if dtype is None else torch.autocast(backend.device.type, dtype)):
                         loss = steps[impl][0](x, y)
                 blocks[impl].append(times)
         plain_w = backend.unwrap(steps["plain"][1]).state_dict()
         px_w = backend.model_state_dict(steps["parallelx"][1])
         start_w = workload.build_model(case).state_dict()  # the seeded initial weights of both
-
-        out = Path(plan.out)
-        out.mkdir(parents=True, exist_ok=True)
+        Path(plan.out).mkdir(parents=True, exist_ok=True)
         # max_abs_update: the training moved the weights (equal weights that never moved would prove nothing).
         report = {"impl": plan.impl, "case_id": case.id, "rank": backend.rank, "world_size": backend.world_size,
                   "threads": torch.get_num_threads(), "device": str(backend.device), "blocks": blocks,
                   "max_abs_weight_diff": max_diff(plain_w, px_w), "max_abs_update": max_diff(px_w, start_w),
                   "final_loss": float(loss.detach().float().cpu())}
-        workload.result_path(out, plan.impl, case, backend.rank).write_text(json.dumps(report))
+        workload.result_path(plan.out, plan.impl, case, backend.rank).write_text(json.dumps(report))
         del steps, batches, plain_w, px_w
         workload.release(backend.device)
 
 
 @exit_on_error
-@workload.exit_on_bench_error
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", required=True, choices=sorted(PLAIN))
-    parser.add_argument("--blocks", type=int, default=10, help="blocks of each implementation, alternating")
+    parser.add_argument("--backend", required=True, choices=BACKENDS)
+    parser.add_argument("--blocks", type=parallelx.cli.positive_int, default=10,
+                        help="blocks of each implementation, alternating")
     parser.add_argument("--precision", choices=parallelx.loop.PRECISIONS, default="32",
                         help="autocast both implementations' steps to this precision")
     args, plan = workload.worker_args(parser)
-    global autocast
-    autocast = _autocast(args.precision)
-    if args.blocks < 1:
-        raise workload.BenchError(f"--blocks must be >= 1, got {args.blocks}")
-
     with px_worker.make_backend(args.backend, plan) as backend:  # shut down even when a case raises
-        measure(args.backend, args.blocks, plan, backend)
+        measure(args.backend, args.blocks, plan, backend, args.precision)
     return 0
 
 

@@ -2,15 +2,12 @@
 identical: the plan (cases to run), the model, the optimizer, the synthetic
 batches, the step timer and the per-rank result files.
 
-Nothing here is distributed: each worker script (``px_worker`` through
-parallelx, ``raw_*`` through its framework directly) owns its process group,
-its wrapping and its training step.  This module only supplies the inputs and
-records the timings, so a difference between two workers' step times is the
-difference between their training paths.
-
-A worker takes ``--plan plan.json``: the cases, the process and thread
-counts, where to write.  ``benchmarks.run`` writes one per launch (``--work-dir
-DIR --keep-work`` keeps them in ``DIR/plans``)::
+Nothing here is distributed: each worker (``px_worker`` through parallelx,
+``plain`` through each framework directly) owns its process group, its
+wrapping and its training step, so a difference between two workers' step
+times is the difference between their training paths.  A worker takes
+``--plan plan.json``, which ``benchmarks.run`` writes for every launch
+(``--work-dir DIR --keep-work`` keeps them in ``DIR/plans``)::
 
     python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan DIR/plans/px-ddp-n2-r0.json
 """
@@ -18,10 +15,10 @@ DIR --keep-work`` keeps them in ``DIR/plans``)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,39 +28,24 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Classes and training-set sizes of the real datasets the synthetic batches
-#: stand in for (CIFAR-10: 50,000 training images; Kaggle Dogs-vs-Cats: the
-#: 80 % training split of its 25,000 images, as recipes/dogcat.py uses it).
-MODELS: dict[str, dict[str, int]] = {
-    "lenet": {"classes": 10, "train_images": 50_000},
-    "vgg16": {"classes": 2, "train_images": 20_000},
-}
+from parallelx.errors import ParallelxError
+
+#: Classes and training-set sizes of the datasets the synthetic batches stand
+#: in for (CIFAR-10: 50,000; Dogs-vs-Cats: the 80 % split of 25,000 that recipes/dogcat.py trains on).
+MODELS: dict[str, dict[str, int]] = {"lenet": {"classes": 10, "train_images": 50_000},
+                                     "vgg16": {"classes": 2, "train_images": 20_000}}
 #: One training step on a batch, returning the loss: what every worker's
-#: ``prepare`` builds, so that ``benchmarks.same_process`` can run the plain
-#: and the parallelx step side by side.
+#: ``prepare`` builds, so that ``same_process`` can run two side by side.
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: Distinct synthetic batches per rank, cycled through: enough that no step
-#: sees the same input as the one before, few enough to stay in memory.
+#: Distinct batches per rank, cycled: no step sees its predecessor's input, and all stay in memory.
 POOL = 4
+HAS_AFFINITY = hasattr(os, "sched_setaffinity")
+# The cores this worker was started with, before apply_threads narrowed them.
+_STARTED_ON = sorted(os.sched_getaffinity(0)) if HAS_AFFINITY else None
 
 
-class BenchError(RuntimeError):
-    """A usage or environment problem, reported as one line without a traceback."""
-
-
-def exit_on_bench_error(fn: Callable[..., int]) -> Callable[..., int]:
-    """Run a ``main``; a :class:`BenchError` becomes its message on stderr and
-    exit status 2 (other exceptions keep their traceback)."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> int:
-        try:
-            return fn(*args, **kwargs)
-        except BenchError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
+class BenchError(ParallelxError):
+    """A usage or environment problem: ``parallelx.exit_on_error`` prints it as one line, exit status 2."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +56,7 @@ class Case:
     batch: int  # images per process per step
     image_size: int
     warmup: int  # steps run but not timed (first-step allocations, DDP bucket set-up)
-    steps: int  # timed steps
+    steps: int
     lr: float
     seed: int = 0
     save_weights: bool = False
@@ -122,33 +104,26 @@ def worker_args(parser: argparse.ArgumentParser | None = None) -> tuple[argparse
     """A worker's command line: ``--plan FILE`` and the worker's own options."""
     p = parser or argparse.ArgumentParser()
     p.add_argument("--plan", required=True, help="plan file written by benchmarks.run (--keep-work keeps them)")
-    # The deepspeed launcher appends --local_rank=N to every worker's argv.
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    try:  # the deepspeed launcher appends --local_rank=N (parallelx's and DeepSpeed's options may declare it)
+        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    except argparse.ArgumentError:
+        pass
     args = p.parse_args()
     return args, Plan.load(args.plan)
 
 
 def cpu_cores() -> int:
     """Cores this process may run on (the affinity mask, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-# The cores this worker was started with, before apply_threads narrowed them.
-_STARTED_ON: list[int] | None = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+    return len(os.sched_getaffinity(0)) if HAS_AFFINITY else (os.cpu_count() or 1)
 
 
 def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) -> list[int] | None:
-    """Give this process the plan's (or the case's own) number of intra-op
-    threads.  The launcher already exported OMP_NUM_THREADS; setting torch's
-    pool explicitly as well makes every worker equal whatever its framework
-    does with that variable.
-
-    With ``plan.bind_cores``, also pin the process to its own block of cores
-    (local rank r with t threads gets the r-th block of t): every
-    implementation gets the same binding.  Unpinned, the ranks' threads and
-    the communication threads migrate between the cores, and each lockstep
-    all-reduce waits for whichever rank was slowed most.  Returns the cores
-    bound to, or None when the cores are left to the OS."""
+    """Set torch's intra-op threads to the plan's (or the case's) count: the
+    launcher exported OMP_NUM_THREADS, but frameworks treat it differently.
+    With ``plan.bind_cores`` also pin local rank r to the r-th block of t
+    cores: unpinned, the ranks' and the communication threads migrate, and
+    each lockstep all-reduce waits for whichever rank was slowed most.
+    Returns the cores bound to, or None when they are left to the OS."""
     threads = case.threads if case is not None and case.threads else plan.threads
     torch.set_num_threads(threads)
     if not plan.bind_cores or _STARTED_ON is None:
@@ -161,8 +136,7 @@ def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) 
 
 
 def build_model(case: Case) -> nn.Module:
-    """The recipes' model, with the same initial weights in every process and
-    every worker (seeded here, just before construction)."""
+    """The recipes' model, seeded just before construction: the same initial weights in every worker."""
     from recipes.models import LeNet, check_vgg_image_size, vgg16_for_dogcat
 
     torch.manual_seed(case.seed)
@@ -173,30 +147,25 @@ def build_model(case: Case) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
-    # Momentum so that a backend that changed the update would show in the
-    # weights; no weight decay, because Horovod's documented
-    # broadcast_optimizer_state() takes a zero-gradient step on a fresh
-    # optimizer, which weight decay would turn into a real (different) update.
+    # Momentum, so that a backend that changed the update would show in the weights; no weight decay,
+    # because Horovod's broadcast_optimizer_state() takes a zero-gradient step that it would turn into an update.
     return torch.optim.SGD(model.parameters(), lr=case.lr, momentum=0.9)
 
 
 def synthetic_batches(case: Case, rank: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``POOL`` batches of normalised random images and labels for ``rank``,
-    already on ``device``: the input pipeline is kept out of the step time
-    (``benchmarks.loader_bench`` measures it separately).  A private generator
-    leaves torch's global random state alone."""
+    """``POOL`` batches for ``rank``, already on ``device``, so that the step
+    time is the training step alone (``loader_bench`` measures the input
+    pipeline); a private generator leaves torch's global random state alone."""
     out = []
     for i in range(POOL):
         g = torch.Generator().manual_seed(case.seed * 1_000_003 + i * 1009 + rank)
         x = torch.randn(case.batch, 3, case.image_size, case.image_size, generator=g)
-        y = torch.randint(0, case.classes, (case.batch,), generator=g)
-        out.append((x.to(device), y.to(device)))
+        out.append((x.to(device), torch.randint(0, case.classes, (case.batch,), generator=g).to(device)))
     return out
 
 
 def seed_steps(case: Case, rank: int) -> None:
-    """Seed the global generator right before the first step, so that dropout
-    (VGG16) draws the same masks in every worker whatever its set-up consumed."""
+    """Seed right before the first step: VGG16's dropout then draws the same masks whatever set-up consumed."""
     torch.manual_seed(case.seed + 7919 * (rank + 1))
 
 
@@ -207,10 +176,9 @@ def synchronize(device: torch.device) -> None:
 
 def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                 times: list[float], first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``warmup + steps`` batches, cycling from index ``first``; the
-    time from each yield to the next request (the loop body: one full
-    training step, synchronised on GPUs) is appended to ``times`` for the
-    timed steps only."""
+    """Yield ``warmup + steps`` batches, cycling from index ``first``; the time
+    of each loop body (one training step, synchronised on GPUs) goes to
+    ``times`` for the timed steps."""
     for i in range(case.warmup + case.steps):
         start = time.perf_counter()
         yield batches[(first + i) % len(batches)]
@@ -234,12 +202,6 @@ def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return train_step
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 def result_path(out: str | os.PathLike[str], impl: str, case: Case, rank: int) -> Path:
     return Path(out) / f"{impl}.{case.id}.rank{rank}.json"
 
@@ -255,6 +217,18 @@ def check_world_size(plan: Plan, world_size: int) -> None:
                          "check the launcher's process-count flag")
 
 
+def rank_report(plan: Plan, case: Case, rank: int, world_size: int, device: torch.device,
+                loss: torch.Tensor | None, **extra: Any) -> dict[str, Any]:
+    """The figures every worker's result file holds, plus the worker's own."""
+    return {"impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
+            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cores": sorted(os.sched_getaffinity(0)) if HAS_AFFINITY else None, "device": str(device),
+            # Peak resident memory so far (Linux reports KiB).
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            "final_loss": None if loss is None else float(loss.detach().float().cpu()), **extra}
+
+
 def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, local_rank: int,
              world_size: int, device: torch.device,
              state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
@@ -264,8 +238,7 @@ def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, r
     come from ``state_dict(model)`` (default: the model's own), which every
     rank calls: on sharding backends it is a collective."""
     check_world_size(plan, world_size)
-    out = Path(plan.out)
-    out.mkdir(parents=True, exist_ok=True)
+    Path(plan.out).mkdir(parents=True, exist_ok=True)
     for case in plan.cases:
         apply_threads(plan, case, local_rank=local_rank)
         train_step, model = prepare(case)
@@ -275,25 +248,16 @@ def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, r
         for x, y in timed_steps(case, batches, device, times):
             loss = train_step(x, y)
         weights = (state_dict or nn.Module.state_dict)(model) if case.save_weights else None
-        report = {
-            "impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
-            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "device": str(device), "step_times_s": times, "peak_rss_mib": peak_rss_mib(),
-            "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "final_loss": float(loss.detach().float().cpu()),
-        }
-        result_path(out, plan.impl, case, rank).write_text(json.dumps(report))
+        report = rank_report(plan, case, rank, world_size, device, loss, step_times_s=times)
+        result_path(plan.out, plan.impl, case, rank).write_text(json.dumps(report))
         if weights is not None and rank == 0:
-            torch.save({k: v.detach().to("cpu") for k, v in weights.items()}, weights_path(out, plan.impl, case))
+            torch.save({k: v.detach().to("cpu") for k, v in weights.items()}, weights_path(plan.out, plan.impl, case))
         del train_step, model, batches, weights
         release(device)
 
 
 def release(device: torch.device) -> None:
     """Free what one case left behind before the next one is measured."""
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

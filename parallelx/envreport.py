@@ -7,13 +7,19 @@ mis-built Horovod can be slow or crash), the way ``ds_report`` and
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from .registry import available_backends, backend_class
+from .runner import unavailable
+
 
 def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
     try:
@@ -39,9 +45,7 @@ def report() -> list[tuple[str, bool, str, str]]:
             rows.append((name, False, f"cannot load: {exc}", ""))
             continue
         launch = cls.launcher.usage("-m your.module")
-        reason = cls.unavailable_reason()
-        if reason is None and cls.launcher.program_path() is None:
-            reason = f"its launcher `{cls.launcher.name}` is not installed; {cls.install_hint}"
+        reason = unavailable(cls)
         if reason is not None:
             rows.append((name, False, reason, launch))
         elif cls.probe_code:
@@ -50,6 +54,32 @@ def report() -> list[tuple[str, bool, str, str]]:
         else:
             rows.append((name, True, "ok", launch))
     return rows
+
+
+def versions() -> dict[str, str | None]:
+    """Python's version and those of the packages parallelx works with (None:
+    not installed), read from their metadata: nothing heavy is imported."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "torchvision", "deepspeed", "horovod", "accelerate", "parallelx"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    """The machine a measurement ran on: CPU model, the cores this process may
+    use (its affinity, not the machine's count), memory, the GPUs' names."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+               platform.processor() or platform.machine())
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"arch": platform.machine(), "cpu": cpu, "os": platform.platform(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * pages / 2**30, 1) if pages else None,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else []}
 
 
 def main() -> int:
