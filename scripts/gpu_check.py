@@ -1,12 +1,115 @@
-"""The GPU check's command; the check itself is the ``gpu_check`` package
-beside this file, whose docstring says what it checks and how to run it::
+"""The GPU check's command: its options, and the order in which the sections
+of the ``gpu_check`` package beside this file run (its docstring says what
+it checks)::
 
-    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-report
+    bash scripts/gpu_check.sh                                              # on the GPU machine
+    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-report  # here, on the CPU
+
+It also starts the check's own helper processes (``--worker sync``, ``--build-horovod``).
 """
 
-import sys
+from __future__ import annotations
 
-from gpu_check.cli import main  # the package, not this file: a script's folder is first on sys.path
+import argparse
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# The package, not this file: a script's folder is first on sys.path, and a package wins over a module.
+from gpu_check import __doc__ as ABOUT
+from gpu_check.check import BACKENDS, BUDGET_S, CUDA, DRY_RUN, FAILED, PASSED, ROOT, SECTIONS, SKIPPED, Item
+from gpu_check.sections import GpuCheck, kill_group
+from gpu_check.workers import build_horovod, sync_worker
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=ABOUT.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU mode: everything except what needs CUDA (CI runs this)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu-report"),
+                        help="where report.md and summary.json go (default $OUT, else gpu-report/)")
+    parser.add_argument("--work", default=None, help="scratch folder for data, runs and logs, kept afterwards "
+                                                     "(default: a temporary one, removed at the end)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help=f"Unix time by which to finish (default: {BUDGET_S:.0f}s from now)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes per multi-process launch (default: the GPUs; 2 in the dry run)")
+    parser.add_argument("--only", type=lambda s: s.split(","), default=list(SECTIONS),
+                        help=f"comma-separated sections to run ({','.join(SECTIONS)})")
+    parser.add_argument("--horovod-sdist", default=None, help="Horovod's sdist, built with NCCL if not installed")
+    parser.add_argument("--site", default=None, help="the --target folder the carried wheels went to (for Horovod's)")
+    for hidden in ("--install-steps", "--plan", "--build-horovod", "--wheel-dir"):  # gpu_check.sh's, and the workers'
+        parser.add_argument(hidden, type=Path if hidden != "--install-steps" else str, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["sync"], help=argparse.SUPPRESS)
+    # The deepspeed launcher appends --local_rank=N to a worker's arguments.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if unknown := set(args.only) - set(SECTIONS):
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    return args
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the runner (which kills the running launch) to the report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker == "sync":
+        return sync_worker(args.plan)
+    if args.build_horovod is not None:
+        return build_horovod(args.build_horovod, args.wheel_dir)
+    try:
+        import torch
+
+        import parallelx  # noqa: F401
+    except ImportError as exc:
+        print(f"error: parallelx is not importable with {sys.executable} ({exc}); on the GPU machine run "
+              "`bash scripts/gpu_check.sh`, here `make setup`", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("error: no CUDA device is visible; on a machine without one run the CPU mode: "
+              "scripts/gpu_check.py --dry-run", file=sys.stderr)
+        return 2
+    check = GpuCheck(args, CUDA if cuda else DRY_RUN, args.nproc or (torch.cuda.device_count() if cuda else 2))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.path.append(str(check.pythonpath))  # benchmarks and the top-level recipes, without the checkout's root
+    print(f"[gpu-check] {'CUDA' if cuda else 'dry run on the CPU'}, {check.nproc} process(es) per launch, "
+          f"{check.remaining():.0f}s budget; work in {check.work}; report in {check.out}", flush=True)
+    try:
+        check.install_steps()
+        check.start_horovod_build()  # first: it has the longest way to go
+        check.environment()
+        check.make_data()
+        early = [b for b in BACKENDS if b != "horovod" or check.horovod_build is None]
+        check.recipes("cifar10", early)
+        check.throughput()
+        check.host_sync(early)
+        check.recipes("dogcat", early)
+        check.dp_scatter()
+        if check.horovod_build is not None:
+            check.finish_horovod_build(check.horovod_build)
+            check.recipes("cifar10", ["horovod"])
+            check.recipes("dogcat", ["horovod"])
+            check.host_sync(["horovod"])
+    except (SystemExit, KeyboardInterrupt) as exc:
+        check.record(Item("install", "the check itself", FAILED, f"interrupted ({exc!r}) before it finished"))
+    finally:
+        if check.horovod_build is not None and check.horovod_build.poll() is None:
+            kill_group(check.horovod_build)
+        check.write()
+        if args.work is None:  # our own temporary folder: runs hold 0.5 GB VGG16 checkpoints
+            shutil.rmtree(check.work, ignore_errors=True)
+    summary = check.summary()
+    c = summary["counts"]
+    print(f"[gpu-check] {summary['result'].upper()}: {c[PASSED]} passed, {c[FAILED]} failed, {c[SKIPPED]} skipped "
+          f"in {summary['seconds']:.0f}s; {check.out / 'report.md'}", flush=True)
+    return 0 if summary["result"] == PASSED else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,26 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on a machine with CUDA and no network:
+# The GPU check in one command, on a machine with CUDA and no network (README: "GPU check"):
 #
 #     bash scripts/gpu_check.sh            # from anywhere; finishes within 8 minutes
 #
-# It installs the wheels carried in gpu-wheels/ (made on a networked machine by
-# `.venv/bin/python scripts/gpu_wheels.py`) into gpu-site/ with
-# `pip install --no-index --no-deps --target`, puts that folder first on
-# PYTHONPATH and its bin/ on PATH, then runs scripts/gpu_check.py, which builds
-# Horovod from the carried sdist in the background while it checks the rest.
-# The report goes to $OUT when set, else gpu-report/: report.md, summary.json,
-# install.log and logs.tar.gz (every launch's output).  Arguments are passed to
-# gpu_check.py (`--dry-run` runs the CPU mode; `--only recipes,throughput`).
-#
-# Why --target rather than a venv: the machine's python3 is itself a venv
-# (/opt/torch/.venv), so a `--system-site-packages` venv made from it would not
-# see its torch, and its torchrun would start workers with the other
-# interpreter; PYTHONPATH reaches every process the launchers start.
-#
-# Settings: PYTHON (python3), GPU_WHEELS (gpu-wheels), GPU_SITE (gpu-site),
-# GPU_CHECK_BUDGET_S (480: the whole run, installation included),
-# GPU_CHECK_KEEP_WORK=1 (keep the scratch folder: data, runs, logs).
-# Exit status: gpu_check.py's (0 when every check that ran passed).
+# Installs the wheels in gpu-wheels/ (made by `.venv/bin/python scripts/gpu_wheels.py`) into gpu-site/
+# with `pip install --no-index --no-deps --target` (the machine's python3 is itself a venv, so a
+# `--system-site-packages` venv made from it would not see its torch; PYTHONPATH reaches every process
+# the launchers start), then runs scripts/gpu_check.py with the arguments given (`--dry-run`, `--only`).
+# The report goes to $OUT, else gpu-report/: report.md, summary.json, install.log, logs.tar.gz.
+# Settings: PYTHON (python3), GPU_WHEELS, GPU_SITE, GPU_CHECK_BUDGET_S (480, installation included),
+# GPU_CHECK_KEEP_WORK=1 (keep the scratch folder).  Exit status: gpu_check.py's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -33,7 +33,7 @@ CUDA_ONLY = (
 
 def load_script(name: str) -> ModuleType:
     """A module of ``scripts/`` (not an installed package), imported by path:
-    ``gpu_wheels``, or ``gpu_check.report`` of the ``scripts/gpu_check/`` package."""
+    ``gpu_wheels``, or ``gpu_check.check`` of the ``scripts/gpu_check/`` package."""
     if name in sys.modules:
         return sys.modules[name]
     if "." in name:
@@ -129,8 +129,7 @@ def test_cuda_only_checks_are_listed_as_skipped(dry_run):
 
 def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
     machinery = load_script("gpu_check.check")
-    check = machinery.Check(tmp_path / "out", tmp_path / "work", deadline=1e12,
-                            settings=load_script("gpu_check.settings").DRY_RUN, nproc=2)
+    check = machinery.Check(tmp_path / "out", tmp_path / "work", deadline=1e12, settings=machinery.DRY_RUN, nproc=2)
 
     def broken() -> machinery.Outcome:
         raise RuntimeError("boom")
@@ -162,7 +161,7 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
 
 def test_synchronisations_per_step_verdict():
     """Judged on the counts the CUDA worker reports (per rank; the main rank's first)."""
-    item = load_script("gpu_check.sections.host_sync").sync_item
+    item = load_script("gpu_check.sections").sync_item
 
     def reports(px: float, plain: float | None, other: float = 0.0) -> list[dict]:
         loops = {"parallelx": {"syncs_per_step": px}} | ({} if plain is None else {"plain": {"syncs_per_step": plain}})
@@ -180,8 +179,8 @@ def test_synchronisations_per_step_verdict():
 def test_precisions_follow_what_parallelx_offers():
     """The check measures every precision parallelx offers: bf16-mixed is
     passed to the benchmark; an option parallelx lacks is reported as missing."""
-    precisions = load_script("gpu_check.settings").PRECISIONS
-    throughput = load_script("gpu_check.sections.throughput")
+    precisions = load_script("gpu_check.check").PRECISIONS
+    throughput = load_script("gpu_check.sections")
     assert precisions["fp32"] == ()
     assert (precisions["bf16-mixed"] is None) == (not throughput.parallelx_offers("bf16-mixed"))
     assert throughput.parallelx_offers("bf16-mixed") and precisions["bf16-mixed"] == ("--precision", "bf16-mixed")

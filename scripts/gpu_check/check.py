@@ -1,6 +1,7 @@
-"""How the GPU check runs its steps: each against the deadline, its outcome
-recorded as an :class:`~gpu_check.report.Item`, the report rewritten after
-every one."""
+"""The GPU check's settings and machinery: how much each part runs on CUDA and
+in the CPU dry run, steps run against the deadline (each recorded as an
+:class:`Item`), and the report, rewritten after every step so that a run cut
+short still leaves one."""
 
 from __future__ import annotations
 
@@ -12,10 +13,99 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .report import FAILED, PASSED, SKIPPED, Item, render_markdown, section_status
-from .settings import RESERVE_S, SECTIONS, Settings
+from .workers import nccl_dirs
+
+if TYPE_CHECKING:
+    from parallelx.runner import Finished
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The command; the check's own helper processes (the host-sync worker under
+#: each launcher, the Horovod build) are started through it too.
+ENTRY = ROOT / "scripts" / "gpu_check.py"
+#: The whole check, from the start of gpu_check.sh: the GPU machine gives 10
+#: minutes a command, so 8 leave room for its start and the transfers.
+BUDGET_S = 480.0
+RESERVE_S = 10.0  # kept free at the end for writing the report
+SECTIONS = ("install", "environment", "recipes", "throughput", "host-sync")
+#: Every backend the recipes run on; the in-process ones (single, dp) start one process.
+BACKENDS = ("single", "dp", "ddp", "deepspeed", "horovod")
+#: The backend options each recipe run adds (DeepSpeed: ZeRO-2 shards gradients and optimizer state).
+BACKEND_ARGS: dict[str, tuple[str, ...]] = {"deepspeed": ("--zero-stage", "2")}
+#: Precisions the throughput section measures: the same-process worker's
+#: extra arguments for each, or None while parallelx has no such option (the
+#: report then says so).  Adding one once parallelx has it is one line.
+PRECISIONS: dict[str, tuple[str, ...] | None] = {"fp32": (), "bf16-mixed": ("--precision", "bf16-mixed")}
+#: The parallelx step may synchronise with the host this many times per step
+#: more than the plain framework's: 0.1 is expected (the progress bar reads
+#: the loss every 10th step on the main rank); once per step would be 1.
+SYNC_EXCESS_LIMIT = 0.5
+HOROVOD_CHECKS_S = 100.0  # what the Horovod recipes and loop need once it is built
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+FIGURE_SECTIONS = ("throughput", "host-sync")  # whose figures report.md shows beside each check
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How much each part runs: on CUDA, and in the CPU dry run (which CI runs: about 1.5 minutes on 2 cores)."""
+
+    cuda: bool
+    cifar_train: int
+    cifar_test: int  # odd: two ranks must pad their shards
+    dogcat_per_class: int
+    cifar_args: tuple[str, ...]
+    dogcat_args: tuple[str, ...]
+    dogcat_size: int
+    #: Backends each recipe runs on; the others are listed as skipped, with ``fewer_because``.
+    recipe_backends: dict[str, tuple[str, ...]]
+    fewer_because: str
+    #: The reported val loss against best.pth's: on the CPU the same float arithmetic in another
+    #: order; on GPUs cuDNN may also choose other kernels for other batch splits.
+    loss_rtol: float
+    launch_timeout_s: float
+    model: str  # throughput: workload model, image size, batch per process, steps per block, blocks
+    image_size: int
+    batch: int
+    warmup: int
+    steps: int
+    blocks: int
+    sync_batch: int
+    sync_steps: tuple[int, int, int]  # warm-up, short, long: per-step figures are (long - short) differences
+    sync_workers: int
+    sync_backends: tuple[str, ...]  # whose training loop the host-sync section measures
+
+
+CUDA = Settings(cuda=True, cifar_train=2000, cifar_test=501, dogcat_per_class=20, cifar_args=("--batch-size", "64"),
+                dogcat_args=("--image-size", "224", "--batch-size", "8", "--max-steps", "3", "--lr", "0.001"),
+                dogcat_size=224, recipe_backends={"cifar10": BACKENDS, "dogcat": BACKENDS}, fewer_because="",
+                loss_rtol=1e-4, launch_timeout_s=180, model="vgg16", image_size=224, batch=32, warmup=2, steps=10,
+                blocks=6, sync_batch=256, sync_steps=(5, 10, 60), sync_workers=4,
+                sync_backends=("single", "ddp", "deepspeed", "horovod"))
+DRY_RUN = Settings(cuda=False, cifar_train=300, cifar_test=51, dogcat_per_class=13, cifar_args=("--batch-size", "32"),
+                   dogcat_args=("--image-size", "32", "--batch-size", "4", "--max-steps", "2", "--lr", "0.001"),
+                   dogcat_size=32, loss_rtol=1e-5, launch_timeout_s=150,
+                   # Near a minute and a half on 2 cores: dp is single on the CPU (no GPUs to split over),
+                   # and VGG16 goes through one launch; every backend runs both recipes in the tests.
+                   recipe_backends={"cifar10": ("single", "ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
+                   fewer_because="dry run: on the CPU dp runs as single, and VGG16 runs on one backend only, "
+                                 "to keep the dry run short (tests/test_recipes.py runs them all)",
+                   model="lenet", image_size=32, batch=32, warmup=1, steps=3, blocks=2,
+                   sync_batch=32, sync_steps=(1, 2, 6), sync_workers=0, sync_backends=("ddp",))
+
+
+@dataclass
+class Item:
+    """One check: what ran, how it ended, and why."""
+
+    section: str
+    name: str
+    status: str
+    detail: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    needs: str | None = None  # "cuda" for what only a GPU machine can check
+    log: str | None = None  # the end of a failed step's output
 
 
 class Skip(Exception):
@@ -27,8 +117,7 @@ class Fail(Exception):
 
     def __init__(self, message: str, *, log: str | None = None, figures: dict[str, Any] | None = None) -> None:
         super().__init__(message)
-        self.log = log
-        self.figures = figures or {}
+        self.log, self.figures = log, figures or {}
 
 
 @dataclass
@@ -37,17 +126,65 @@ class Outcome:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
+def section_status(items: Sequence[Item]) -> str:
+    if any(i.status == FAILED for i in items):
+        return FAILED
+    return PASSED if any(i.status == PASSED for i in items) else SKIPPED
+
+
 class Check:
     """Runs steps against a deadline and keeps the report up to date."""
 
     def __init__(self, out: Path, work: Path, deadline: float, settings: Settings, nproc: int,
                  only: Sequence[str] = SECTIONS) -> None:
         self.out, self.work, self.deadline, self.settings, self.nproc = out, work, deadline, settings, nproc
-        self.only = set(only)
+        self.cuda, self.only, self.started = settings.cuda, set(only), time.time()
         self.items: list[Item] = []
         self.env_text = ""
         self.facts: dict[str, Any] = {}
-        self.started = time.time()
+        self.logs, self.data = work / "logs", work / "data"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        # Launches run the way a user's would: from a folder outside the checkout (so that the installed
+        # parallelx is the one that runs), with benchmarks/ and the top-level recipes/ reachable through a
+        # folder of links on PYTHONPATH (the checkout's root there would shadow the installed parallelx).
+        self.pythonpath = work / "pythonpath"
+        self.pythonpath.mkdir(exist_ok=True)
+        for name in ("benchmarks", "recipes"):
+            if not (self.pythonpath / name).exists():
+                (self.pythonpath / name).symlink_to(ROOT / name, target_is_directory=True)
+
+    def env(self, timeout_s: float) -> dict[str, str]:
+        """What every process the check starts adds to :func:`parallelx.runner.job_env`."""
+        env = {"PARALLELX_TIMEOUT": str(int(max(30, min(120, timeout_s - 10)))),  # before the launch's own timeout
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(self.pythonpath), os.environ.get("PYTHONPATH")]))}
+        if self.cuda:
+            # One machine: NCCL's bootstrap stays on the loopback interface, as Gloo's does.
+            env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
+            if (nccl := nccl_dirs()) is not None:
+                env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(nccl[1]),
+                                                                       os.environ.get("LD_LIBRARY_PATH")]))
+        elif _cuda_visible():
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a dry run on a GPU machine stays on the CPU
+        return env
+
+    def launch(self, backend: str, target: list[str], *, timeout_s: float, log_name: str) -> Finished:
+        """``target`` under ``backend``'s launcher, one process per GPU (one for the in-process backends)."""
+        from parallelx import backend_class, runner
+
+        return runner.launch(backend_class(backend).launcher, target, self.nproc, timeout=timeout_s,
+                             env=self.env(timeout_s), cwd=self.work, log=self.logs / f"{log_name}.log")
+
+    def launched(self, backend: str, target: list[str], *, cap: float, log_name: str) -> Finished:
+        """:meth:`launch` with the step's timeout; a backend that cannot run skips the step, a failed launch
+        fails it with its output."""
+        from parallelx import backend_class
+
+        if (why := unavailable(backend)) is not None:
+            raise Skip(why)
+        done = self.launch(backend, target, timeout_s=self.timeout(cap), log_name=log_name)
+        if done.error():
+            raise Fail(f"{backend_class(backend).launcher.name} {done.error()}", log=done.output)
+        return done
 
     def remaining(self) -> float:
         return self.deadline - time.time()
@@ -70,15 +207,14 @@ class Check:
              needs: str | None = None) -> Item:
         """Run ``fn`` as one check; it returns an :class:`Outcome`, or raises
         :class:`Skip` or :class:`Fail`.  Any other exception fails the step
-        with its traceback in the log."""
+        with its traceback in the log: a broken step must not stop the others."""
         if section not in self.only:
             return self.skip(section, name, "not selected (--only)", needs=needs)
         left = self.remaining() - RESERVE_S
         if left < need_s:
             return self.skip(section, name, f"out of time: {max(0, left):.0f}s of the budget left, "
                                             f"this step needs about {need_s:.0f}s", needs=needs)
-        start = time.monotonic()
-        item = Item(section, name, PASSED, needs=needs)
+        start, item = time.monotonic(), Item(section, name, PASSED, needs=needs)
         try:
             outcome = fn()
             item.detail, item.figures = outcome.detail, outcome.figures
@@ -86,21 +222,15 @@ class Check:
             item.status, item.detail = SKIPPED, str(exc)
         except Fail as exc:
             item.status, item.detail, item.log, item.figures = FAILED, str(exc), exc.log, exc.figures
-        except Exception as exc:  # a broken step must not stop the others
-            item.status, item.detail = FAILED, f"{type(exc).__name__}: {exc}"
-            item.log = traceback.format_exc()
+        except Exception as exc:
+            item.status, item.detail, item.log = FAILED, f"{type(exc).__name__}: {exc}", traceback.format_exc()
         item.seconds = time.monotonic() - start
         return self.record(item)
 
-    # ------------------------------------------------------------ writing
-
     def summary(self) -> dict[str, Any]:
-        sections = {}
-        for name in SECTIONS:
-            items = [i for i in self.items if i.section == name]
-            sections[name] = {"status": section_status(items),
-                              "items": [{k: v for k, v in asdict(i).items() if k not in ("section", "log")}
-                                        for i in items]}
+        sections = {name: {"status": section_status(items := [i for i in self.items if i.section == name]),
+                           "items": [{k: v for k, v in asdict(i).items() if k not in ("section", "log")}
+                                     for i in items]} for name in SECTIONS}
         counts = {s: sum(i.status == s for i in self.items) for s in (PASSED, FAILED, SKIPPED)}
         return {"result": FAILED if counts[FAILED] else PASSED, "mode": "cuda" if self.settings.cuda else "dry-run",
                 "nproc": self.nproc, "counts": counts, "seconds": round(time.time() - self.started, 1),
@@ -110,13 +240,73 @@ class Check:
                                       if i.status == SKIPPED and i.needs == "cuda"]}
 
     def write(self) -> None:
+        """``summary.json`` and ``report.md``, each replaced whole (a reader never sees half a file)."""
         self.out.mkdir(parents=True, exist_ok=True)
         summary = self.summary()
-        _write_atomic(self.out / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
-        _write_atomic(self.out / "report.md", render_markdown(summary, self.items, self.env_text))
+        for name, text in (("summary.json", json.dumps(summary, indent=1, default=str) + "\n"),
+                           ("report.md", self.markdown(summary))):
+            tmp = self.out / (name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+    def markdown(self, summary: dict[str, Any]) -> str:
+        counts = summary["counts"]
+        lines = [
+            "# parallelx GPU check", "",
+            f"**Result: {summary['result'].upper()}**: {counts[PASSED]} passed, {counts[FAILED]} failed, "
+            f"{counts[SKIPPED]} skipped, in {summary['seconds']:.0f} s (started {summary['started']}).", "",
+            f"Mode: {'CUDA' if summary['mode'] == 'cuda' else 'dry run on the CPU (what needs CUDA is skipped)'}; "
+            f"{summary['nproc']} process(es) per multi-process launch; {self.facts.get('gpus') or 'CPU only'}.", "",
+            "| section | status | passed | failed | skipped |", "|---|---|---:|---:|---:|"]
+        for name, sec in summary["sections"].items():
+            n = {s: sum(i["status"] == s for i in sec["items"]) for s in (PASSED, FAILED, SKIPPED)}
+            lines.append(f"| {name} | {sec['status']} | {n[PASSED]} | {n[FAILED]} | {n[SKIPPED]} |")
+        for name in SECTIONS:
+            items = [i for i in self.items if i.section == name]
+            lines += ["", f"## {name}", ""]
+            if not items:
+                lines.append("Nothing ran in this section.")
+                continue
+            lines += ["| check | status | s | details |", "|---|---|---:|---|"]
+            for i in items:
+                # The recipes' figures are in their details already; summary.json has them all.
+                figures = "; ".join(f"{k} {_fmt(v)}" for k, v in i.figures.items() if not isinstance(v, dict)) \
+                    if name in FIGURE_SECTIONS else ""
+                detail = " ".join(filter(None, [i.detail, f"({figures})" if figures else ""])).replace("|", "\\|")
+                lines.append(f"| {i.name} | {i.status.upper() if i.status == FAILED else i.status} | "
+                             f"{i.seconds:.1f} | {detail} |")
+            if name == "environment" and self.env_text:
+                lines += ["", "`python -m parallelx env`:", "", "```", self.env_text.rstrip(), "```"]
+            for i in items:
+                if i.status == FAILED and i.log:
+                    # tqdm redraws with carriage returns: keep the last state of each line.
+                    tail = "\n".join(row.rsplit("\r", 1)[-1] for row in i.log.splitlines()[-40:])
+                    lines += ["", f"Output of the failed check *{i.name}* (last lines):", "", "```", tail, "```"]
+        lines += ["", "Every launch's whole output: `logs.tar.gz` beside this report when run through "
+                  f"gpu_check.sh, else `{summary['logs']}`.", "",
+                  "Environment:", "", "```", json.dumps(self.facts, indent=1, default=str), "```", ""]
+        return "\n".join(lines)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(f"{v:.4g}" for v in value) + "]"
+    return str(value)
+
+
+def unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run here (None when it can), without importing its package."""
+    import importlib
+
+    from parallelx import backend_class, runner
+
+    importlib.invalidate_caches()  # Horovod may have been installed since the last look
+    return runner.unavailable(backend_class(backend))
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

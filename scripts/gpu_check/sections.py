@@ -1,0 +1,428 @@
+"""The check's sections (install, environment, recipes, throughput, host-sync) as the steps of :class:`GpuCheck`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .check import (BACKEND_ARGS, BUDGET_S, CUDA, ENTRY, FAILED, HOROVOD_CHECKS_S, PASSED, PRECISIONS, RESERVE_S,
+                    ROOT, SYNC_EXCESS_LIMIT, Check, Fail, Item, Outcome, Settings, Skip, section_status, unavailable)
+
+HOROVOD_BUILD = "Horovod built with NCCL operations"
+
+
+class GpuCheck(Check):
+    """Every section's steps, recorded in one report; ``scripts/gpu_check.py`` runs them in order."""
+
+    def __init__(self, args: argparse.Namespace, settings: Settings, nproc: int) -> None:
+        work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        super().__init__(Path(args.out), work.resolve(), args.deadline or time.time() + BUDGET_S, settings, nproc,
+                         only=args.only)
+        self.args, self.horovod_wheels = args, self.work / "horovod-wheel"
+        self.horovod_build: subprocess.Popen[Any] | None = None
+
+    # ------------------------------------------------------------ install
+
+    def install_steps(self) -> None:
+        """Items for what gpu_check.sh did before this script started (a TSV: name, status, seconds, detail)."""
+        if self.args.install_steps is None:
+            self.skip("install", "carried wheels", "not started through scripts/gpu_check.sh: nothing installed")
+            return
+        for row in Path(self.args.install_steps).read_text().splitlines():
+            name, rc, seconds, detail = (row.split("\t") + ["", "", "", ""])[:4]
+            ok = rc.strip() == "0"
+            self.record(Item("install", name, PASSED if ok else FAILED,
+                             detail if ok else f"exit status {rc}: {detail}", seconds=float(seconds or 0)))
+
+    def start_horovod_build(self) -> None:
+        """Horovod has no wheel for current torch: build its carried sdist with
+        NCCL operations in the background (at low priority) while the other
+        checks use the GPU; its own checks run at the end if it finished."""
+        sdist = self.args.horovod_sdist
+        if not self.cuda:
+            self.skip("install", HOROVOD_BUILD, "CUDA only: the NCCL build needs a GPU and nvcc"
+                      + (" (the dry run uses the Horovod already installed)" if not unavailable("horovod") else ""),
+                      needs="cuda")
+        elif importlib.util.find_spec("horovod") is not None:
+            self.skip("install", HOROVOD_BUILD, "Horovod is already installed here; its build was not repeated")
+        elif sdist is None or not Path(sdist).is_file():
+            self.skip("install", HOROVOD_BUILD, f"no Horovod sdist at {sdist}: run scripts/gpu_wheels.py and carry "
+                      "gpu-wheels/")
+        elif shutil.which("nvcc") is None:
+            self.skip("install", HOROVOD_BUILD, "nvcc is not on PATH: the NCCL build needs the CUDA compiler")
+        else:
+            from parallelx.runner import job_env
+
+            self.horovod_log = self.logs / "horovod-build.log"
+            print(f"[gpu-check] install / building Horovod in the background (log {self.horovod_log})", flush=True)
+            self.horovod_started = time.monotonic()
+            with self.horovod_log.open("w") as log:  # the child keeps its own copy of the descriptor
+                self.horovod_build = subprocess.Popen(
+                    [sys.executable, str(ENTRY), "--build-horovod", str(Path(sdist).resolve()), "--wheel-dir",
+                     str(self.horovod_wheels)], stdout=log, stderr=subprocess.STDOUT, cwd=self.work,
+                    start_new_session=True, preexec_fn=lambda: os.nice(10), env=job_env(None, self.env(600)))
+
+    def finish_horovod_build(self, proc: subprocess.Popen[Any]) -> None:
+        """Wait for the background build while time is left for Horovod's own checks, then install it."""
+
+        def finish() -> Outcome:
+            try:
+                rc = proc.wait(timeout=max(1.0, self.remaining() - RESERVE_S - HOROVOD_CHECKS_S))
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                raise Skip(f"the build had not finished after {time.monotonic() - self.horovod_started:.0f}s, "
+                           f"and Horovod's checks need the last {HOROVOD_CHECKS_S:.0f}s of the budget; "
+                           "Horovod was not checked") from None
+            log = self.horovod_log.read_text(errors="replace")
+            wheels = sorted(self.horovod_wheels.glob("horovod-*.whl"))
+            if rc != 0 or not wheels:
+                raise Fail(f"the build exited with status {rc}" if rc else
+                           f"the build wrote no wheel into {self.horovod_wheels}", log=log)
+            target = ["--target", self.args.site, "--upgrade"] if self.args.site else []
+            res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
+                                  "--disable-pip-version-check", *target, str(wheels[-1])],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise Fail(f"pip could not install {wheels[-1].name}", log=res.stdout + res.stderr)
+            from parallelx.runner import job_env
+
+            # nccl_built() is NCCL's version code, 0 without NCCL; stdout apart, so that a warning cannot hide it.
+            probe = subprocess.run([sys.executable, "-c", "import horovod.torch as h; print(h.nccl_built())"],
+                                   capture_output=True, text=True, cwd=self.work, env=job_env(None, self.env(60)))
+            code = probe.stdout.strip().splitlines()[-1:]
+            if probe.returncode != 0 or not code or not code[0].isdigit() or int(code[0]) == 0:
+                raise Fail("the built Horovod does not load with NCCL operations (horovod.torch.nccl_built())",
+                           log=probe.stdout + probe.stderr)
+            return Outcome(f"{wheels[-1].name}, NCCL operations built (NCCL {code[0]}), "
+                           f"in {time.monotonic() - self.horovod_started:.0f}s")
+
+        self.step("install", HOROVOD_BUILD, finish, needs="cuda")
+
+    # ------------------------------------------------------------ environment
+
+    def environment(self) -> None:
+        self.step("environment", "versions", self._versions)
+        if self.cuda:
+            self.step("environment", "GPU, CUDA, NCCL and cuDNN", self._gpu, needs="cuda")
+        else:
+            self.skip("environment", "GPU, CUDA, NCCL and cuDNN", "CUDA only: the dry run runs on the CPU",
+                      needs="cuda")
+        self.step("environment", "python -m parallelx env", self._parallelx_env, need_s=20)
+        self.step("environment", "installed parallelx is this checkout", self._same_source)
+
+    def _versions(self) -> Outcome:
+        import parallelx
+        from parallelx.envreport import versions
+
+        self.facts.update(versions(), executable=sys.executable, cpu_cores=os.cpu_count(),
+                          parallelx=f"{parallelx.__version__} at {Path(parallelx.__file__).parent}")
+        return Outcome(", ".join(f"{k} {self.facts[k]}" for k in ("torch", "parallelx", "deepspeed", "horovod")))
+
+    def _gpu(self) -> Outcome:
+        import torch
+
+        gpus = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))}, "
+                f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+                for i in range(torch.cuda.device_count())]
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        facts = {"gpus": f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus),
+                 "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+                 "cudnn": torch.backends.cudnn.version(),
+                 "driver": _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                 "nvcc": (_first_line(["nvcc", "--version"], "release") or "").split("release")[-1].strip() or None,
+                 "tf32_conv": torch.backends.cudnn.allow_tf32, "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+        self.facts.update(facts)
+        if facts["nccl"] is None:
+            raise Fail("torch reports no NCCL: the ddp backend cannot use the GPUs", figures=facts)
+        return Outcome(f"{facts['gpus']}; CUDA {facts['cuda']}, NCCL {facts['nccl']}, cuDNN {facts['cudnn']}, "
+                       f"driver {facts['driver']}")
+
+    def _parallelx_env(self) -> Outcome:
+        done = self.launch("single", ["-m", "parallelx", "env"], timeout_s=self.timeout(120), log_name="parallelx-env")
+        self.env_text = done.output
+        if done.error():
+            raise Fail(f"`python -m parallelx env` {done.error()}", log=done.output)
+        usable = [line.split()[1] for line in done.output.splitlines() if line.strip().startswith("[OK]")]
+        return Outcome(f"usable here: {', '.join(usable) or 'none'}")
+
+    def _same_source(self) -> Outcome:
+        import parallelx
+
+        installed = Path(parallelx.__file__).resolve().parent
+        if installed == (ROOT / "parallelx").resolve():
+            raise Skip("parallelx runs from this checkout (an editable install): nothing to compare")
+        differ = [f"{src}/{path.name}" for src, dest in (("parallelx", installed), ("backends", installed / "backends"),
+                                                         ("recipes", installed / "recipes"))
+                  for path in sorted((ROOT / src).glob("*.py"))
+                  if not (dest / path.name).is_file() or (dest / path.name).read_bytes() != path.read_bytes()]
+        if differ:
+            raise Fail(f"the installed parallelx ({installed}) differs from this checkout in {', '.join(differ[:6])}"
+                       f"{' ...' if len(differ) > 6 else ''}: the wheel is stale; run scripts/gpu_wheels.py again")
+        return Outcome(f"{installed} matches the checkout's sources")
+
+    # ------------------------------------------------------------ recipes
+
+    def make_data(self) -> None:
+        from parallelx.recipes.make_data import make_cifar10, make_dogcat
+
+        s = self.settings
+
+        def cifar() -> Outcome:
+            make_cifar10(self.data / "cifar10", n_train=s.cifar_train, n_test=s.cifar_test, seed=0)
+            return Outcome(f"{s.cifar_train} train / {s.cifar_test} test images")
+
+        def dogcat() -> Outcome:
+            make_dogcat(self.data / "dogcat", n_per_class=s.dogcat_per_class, seed=0, csv=True)
+            return Outcome(f"{2 * s.dogcat_per_class} JPEGs")
+
+        self.step("recipes", "generated CIFAR-10 data", cifar)
+        self.step("recipes", "generated Dogs-vs-Cats data", dogcat)
+
+    def recipes(self, recipe: str, backends: Sequence[str]) -> None:
+        for backend in backends:
+            if backend not in self.settings.recipe_backends[recipe]:
+                self.skip("recipes", f"{recipe} on {backend}", self.settings.fewer_because)
+            else:
+                self.step("recipes", f"{recipe} on {backend}", lambda b=backend: self._recipe(recipe, b), need_s=30)
+
+    def _recipe(self, recipe: str, backend: str) -> Outcome:
+        """The recipe's reported val figures against a single-process evaluation of its ``best.pth``."""
+        import torch
+
+        import parallelx
+
+        world = self.nproc if parallelx.backend_class(backend).launcher.multi_process else 1
+        out = self.work / "runs" / f"{recipe}-{backend}"
+        shutil.rmtree(out, ignore_errors=True)
+        extra = self.settings.cifar_args if recipe == "cifar10" else self.settings.dogcat_args
+        done = self.launched(backend, ["-m", f"parallelx.recipes.{recipe}", "--backend", backend,
+                                       *BACKEND_ARGS.get(backend, ()), "--data-dir", str(self.data / recipe),
+                                       "--out-dir", str(out), "--epochs", "1", *extra],
+                             cap=self.settings.launch_timeout_s, log_name=f"{recipe}-{backend}")
+        if not (out / "metrics.json").is_file():
+            raise Fail(f"exited 0 but wrote no {out / 'metrics.json'}", log=done.output)
+        metrics = json.loads((out / "metrics.json").read_text())
+        if metrics.get("backend") != backend or metrics.get("world_size") != world:
+            raise Fail(f"metrics.json says backend {metrics.get('backend')!r}, world size {metrics.get('world_size')}; "
+                       f"expected {backend!r} and {world}", log=done.output)
+        ref = self._reference(recipe, out / "best.pth", int(extra[extra.index("--batch-size") + 1]))
+        rel = abs(metrics["final_val_loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
+        figures = {"val_acc": metrics["best_val_acc"], "reference_acc": ref["acc"],
+                   "val_loss": metrics["final_val_loss"], "loss_rel_diff": rel,
+                   "images_per_s": metrics.get("train_images_per_s"), "launch_s": done.seconds}
+        how = f"{_launcher(backend)}, {world} process{'es' if world > 1 else ''}"
+        if backend == "dp":
+            gpus = torch.cuda.device_count() if self.cuda else 0
+            how = (f"DataParallel over {gpus} GPUs" if gpus > 1 else
+                   "ran as single: DataParallel needs 2 GPUs to split a batch")
+        if metrics["best_val_acc"] != ref["acc"] or rel > self.settings.loss_rtol:
+            raise Fail(f"reported val acc {metrics['best_val_acc']} and loss {metrics['final_val_loss']:.6g}; a "
+                       f"single-process evaluation of best.pth gives {ref['acc']} and {ref['loss']:.6g} "
+                       f"(loss relative tolerance {self.settings.loss_rtol:g})", log=done.output, figures=figures)
+        return Outcome(f"{how} on the {'GPU' if self.cuda else 'CPU'}; val acc {ref['acc']:.4f} over {ref['count']} "
+                       f"images equals best.pth's, loss within {rel:.1e}", figures)
+
+    def _reference(self, recipe: str, best: Path, batch: int) -> dict[str, float]:
+        """A single-process evaluation of ``best.pth`` on the run's device, in the run's val batches."""
+        import torch
+
+        from parallelx.recipes.data import load_cifar10, load_dogcat
+        from parallelx.recipes.engine import evaluate_state_dict
+        from parallelx.recipes.models import LeNet, vgg16_for_dogcat
+
+        if recipe == "cifar10":
+            model = LeNet()
+            model.load_state_dict(torch.load(best, map_location="cpu", weights_only=True))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the generated data's md5 sums are not the official ones
+                val = load_cifar10(self.data / recipe)[1]
+        else:
+            model, val = vgg16_for_dogcat(weights=best), load_dogcat(self.data / recipe, self.settings.dogcat_size)[1]
+        device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        # Samples moved to the device up front: the evaluation then runs there.
+        on_device = [(x.to(device), torch.as_tensor(y, device=device)) for x, y in (val[i] for i in range(len(val)))]
+        try:
+            return evaluate_state_dict(model.to(device), on_device, batch_size=batch)
+        finally:
+            del model, on_device
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def dp_scatter(self) -> None:
+        name = "DataParallel scatter over GPUs"
+        if not self.cuda:
+            self.skip("recipes", name, "CUDA only (and needs 2 GPUs)", needs="cuda")
+            return
+        import torch
+
+        if (gpus := torch.cuda.device_count()) < 2:
+            self.skip("recipes", name, f"needs 2 GPUs, {gpus} visible: the dp runs above ran as single", needs="cuda")
+            return
+        dp = [i for i in self.items if i.section == "recipes" and i.name.endswith(" on dp")]
+        self.record(Item("recipes", name, section_status(dp), f"the dp runs above split each batch over {gpus} GPUs",
+                         needs="cuda"))
+
+    # ------------------------------------------------------------ throughput
+
+    def throughput(self) -> None:
+        for precision, extra in PRECISIONS.items():
+            name = f"VGG16 {CUDA.image_size} px, {CUDA.batch}/process, {precision}"
+            if extra is None:
+                self.skip("throughput", name, precision_missing_reason(precision), needs="cuda")
+                continue
+            if not self.cuda:
+                self.skip("throughput", name, "CUDA only: VGG16 at 224 px is the GPU workload", needs="cuda")
+                name = (f"same-process harness on the CPU (LeNet, {self.settings.batch}/process, {precision}; "
+                        "numbers mean nothing)")
+            self.step("throughput", name, lambda e=extra, p=precision: self._throughput(p, e), need_s=45)
+
+    def _throughput(self, precision: str, extra: tuple[str, ...]) -> Outcome:
+        """parallelx's DDP step against the plain DDP script's in the same processes (``benchmarks.same_process``)."""
+        from benchmarks import stats
+        from benchmarks.workload import Case, Plan, cpu_cores
+
+        s, n = self.settings, self.nproc
+        out, plan_file = self.work / f"throughput-{precision}", self.work / f"throughput-{precision}.json"
+        shutil.rmtree(out, ignore_errors=True)
+        case = Case(model=s.model, batch=s.batch, image_size=s.image_size, warmup=s.warmup, steps=s.steps,
+                    lr=0.001 if s.model == "vgg16" else 0.01)
+        Plan(impl="same-ddp", nproc=n, threads=max(1, cpu_cores() // n), out=str(out), cases=[case]).dump(plan_file)
+        done = self.launched("ddp", ["-m", "benchmarks.same_process", "--backend", "ddp", "--blocks", str(s.blocks),
+                                     "--plan", str(plan_file), *extra], cap=240, log_name=f"throughput-{precision}")
+        reports = self._reports(out, "same-ddp.*.rank*.json", n, done)
+        entry = stats.same_process(reports)
+        px_s, plain_s = entry["median_step_s"], entry["baseline_median_step_s"]
+        figures = {"parallelx_ms": px_s * 1e3, "plain_ms": plain_s * 1e3, "ratio": entry["ratio"],
+                   "ci95": entry["ci95"], "parallelx_images_per_s": n * s.batch / px_s,
+                   "plain_images_per_s": n * s.batch / plain_s,
+                   "blocks_parallelx_faster": f"{sum(r < 1 for r in entry['per_round'])}/{s.blocks}",
+                   "device": reports[0]["device"]}
+        verdict = ("within" if entry["ratio"] <= stats.RATIO_TARGET else "ABOVE") + f" the {stats.RATIO_TARGET} target"
+        building = self.horovod_build is not None and self.horovod_build.poll() is None
+        note = "; measured while Horovod was building in the background (at low priority)" if building else ""
+        return Outcome(f"parallelx / plain DDP median step time {entry['ratio']:.3f} ({verdict}; not a pass "
+                       f"criterion), {n * s.batch / px_s:.0f} images/s{note}", figures)
+
+    def _reports(self, out: Path, pattern: str, n: int, done: Any) -> list[dict[str, Any]]:
+        """Every rank's report in ``out``; fewer than ``n`` fails the step."""
+        reports = [json.loads(p.read_text()) for p in sorted(out.glob(pattern))]
+        if len(reports) != n:
+            raise Fail(f"expected {n} rank report(s) in {out}, found {len(reports)}", log=done.output)
+        return reports
+
+    # ------------------------------------------------------------ host-sync
+
+    def host_sync(self, backends: Sequence[str]) -> None:
+        for backend in (b for b in backends if b in self.settings.sync_backends):
+            self.step("host-sync", f"training loop on {backend}", lambda b=backend: self._host_sync(b), need_s=35)
+            if not self.cuda:
+                self.skip("host-sync", f"synchronisations per step on {backend}",
+                          "CUDA only: torch.cuda.set_sync_debug_mode counts them on a GPU", needs="cuda")
+
+    def _host_sync(self, backend: str) -> Outcome:
+        """The recipes' training loop (``workers.sync_worker``) under the backend's launcher: step times, and
+        synchronisations with the host per step (CUDA only), against the plain framework's loop."""
+        import parallelx
+
+        s = self.settings
+        n = self.nproc if parallelx.backend_class(backend).launcher.multi_process else 1
+        out, plan_file = self.work / f"sync-{backend}", self.work / f"sync-{backend}.json"
+        shutil.rmtree(out, ignore_errors=True)
+        warmup, short, long = s.sync_steps
+        plan_file.write_text(json.dumps({"backend": backend, "nproc": n, "batch": s.sync_batch, "warmup": warmup,
+                                         "short": short, "long": long, "workers": s.sync_workers, "out": str(out)}))
+        done = self.launched(backend, [str(ENTRY), "--worker", "sync", "--plan", str(plan_file)], cap=150,
+                             log_name=f"sync-{backend}")
+        reports = self._reports(out, "sync.rank*.json", n, done)
+        px, plain = reports[0]["loops"]["parallelx"], reports[0]["loops"].get("plain")  # the main rank's
+        figures: dict[str, Any] = {"parallelx_step_ms": px["step_s"] * 1e3}
+        text = f"parallelx loop {px['step_s'] * 1e3:.2f} ms/step"
+        if plain is not None:
+            figures.update(plain_step_ms=plain["step_s"] * 1e3, step_ratio=px["step_s"] / plain["step_s"])
+            text += f", plain {plain['step_s'] * 1e3:.2f} ms/step (ratio {figures['step_ratio']:.3f})"
+        else:
+            text += " (no plain loop for this backend)"
+        text += f"; LeNet, {s.sync_batch}/process, {s.sync_steps[2] - s.sync_steps[1]} steps timed"
+        if px["syncs_per_step"] is None:
+            return Outcome(text + "; syncs not counted on the CPU", figures)
+        item = sync_item(backend, reports)  # the CUDA-only half: one more item from the same launch
+        item.log = done.output if item.status == FAILED else None
+        self.record(item)
+        return Outcome(text, figures)
+
+
+def sync_item(backend: str, reports: Sequence[dict[str, Any]]) -> Item:
+    """The verdict on the synchronisations counted per training step: the
+    main rank's (whose progress bar reads the loss) parallelx loop may exceed
+    the plain framework's own loop by less than :data:`SYNC_EXCESS_LIMIT` (a
+    framework that synchronises every step by itself is not parallelx's doing)."""
+    loops = reports[0]["loops"]
+    px = loops["parallelx"]["syncs_per_step"]
+    plain = loops["plain"]["syncs_per_step"] if "plain" in loops else None
+    figures = {"parallelx_syncs_per_step": px, "plain_syncs_per_step": plain,
+               "other_ranks_max": max((r["loops"]["parallelx"]["syncs_per_step"] for r in reports[1:]), default=None)}
+    detail = (f"parallelx's loop {px:.2f} syncs/step on the main rank, "
+              f"{'no plain loop' if plain is None else f'plain {plain:.2f}'}; expected about 0.1 (the progress "
+              f"bar reads the loss every 10th step) and less than {SYNC_EXCESS_LIMIT} above the plain loop")
+    ok = px - (plain or 0.0) < SYNC_EXCESS_LIMIT
+    if not ok:
+        detail += ": something in parallelx's step or loop waits for the GPU (.item(), .cpu(), bool() of a tensor)"
+    return Item("host-sync", f"synchronisations per step on {backend}", PASSED if ok else FAILED, detail, figures,
+                needs="cuda")
+
+
+def precision_missing_reason(precision: str) -> str:
+    if parallelx_offers(precision):
+        return (f"parallelx now offers --precision {precision}, but this check does not pass it yet: "
+                f"set PRECISIONS[{precision!r}] in scripts/gpu_check/check.py")
+    return (f"the option does not exist yet: parallelx.add_arguments defines no --precision {precision}; "
+            "measured here once it does")
+
+
+def parallelx_offers(precision: str) -> bool:
+    """Whether parallelx's command line accepts ``--precision PRECISION``."""
+    import parallelx
+
+    parser = parallelx.add_arguments(argparse.ArgumentParser(add_help=False))
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            ns, rest = parser.parse_known_args(["--precision", precision])
+        except SystemExit:  # the option exists without that choice
+            return False
+    return not rest and getattr(ns, "precision", None) == precision
+
+
+def _launcher(backend: str) -> str:
+    from parallelx import backend_class
+
+    return backend_class(backend).launcher.name
+
+
+def _first_line(cmd: list[str], containing: str = "") -> str | None:
+    """The first output line of ``cmd`` (holding ``containing``), or None when it cannot run."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip() and containing in ln] if res.returncode == 0 else []
+    return lines[0].strip() if lines else None
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
