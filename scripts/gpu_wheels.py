@@ -3,30 +3,18 @@
     .venv/bin/python scripts/gpu_wheels.py            # about 1 minute; needs PyPI
     .venv/bin/python scripts/gpu_wheels.py --check    # only verify an existing folder
 
-The GPU machine's ``python3`` (CPython 3.12) already has torch, torchvision,
-pandas, tqdm, matplotlib, psutil, pyyaml, cloudpickle, packaging, ninja and
-cmake, and cannot download anything.  This folder brings the rest, for CPython
-3.12 on manylinux x86_64, and ``scripts/gpu_check.sh`` installs it there with
-``pip install --no-index --no-deps``:
-
-- parallelx itself, as a wheel of this checkout (``MANIFEST.json`` records a
-  digest of its sources, so the check can tell a stale wheel);
-- DeepSpeed 0.19.8, built here without its C++/CUDA ops: pure Python, and the
-  ops it needs on CUDA are compiled at first use (the GPU machine has nvcc);
-- DeepSpeed's runtime needs that the GPU machine lacks (hjson, pydantic and
-  its binary core, ...), plus a few small ones it is believed to have, in case;
-- Horovod 0.28.1's sdist (it has no wheel for current torch; it is built there,
-  with NCCL, by the check) and cffi, its one runtime need missing there.
-
-The folder travels with the working tree to the GPU machine (the ``carry``
-list of the device tool), which takes 64 MiB in all: the script fails when
-the folder exceeds ``--limit-mib`` (56) or the two together exceed 62 MiB.
+The GPU machine's ``python3`` (CPython 3.12) has torch and the common packages
+but cannot download; :data:`DISTS` is the rest, for CPython 3.12 on manylinux
+x86_64: a wheel of this checkout, DeepSpeed built here without its ops (they
+compile at first use there), the wheels it and Horovod need, and Horovod's
+sdist (built there, with NCCL, by the check).  The folder travels with the
+working tree, 64 MiB in all: the script fails beyond ``--limit-mib`` (56) for
+the folder or 62 MiB for the two together.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -50,9 +38,6 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 #: working tree and the carried folders together.
 LIMIT_MIB = 56.0
 TRAVEL_LIMIT_MIB = 62.0
-HOROVOD_SDIST = "horovod-0.28.1.tar.gz"
-#: The sources whose digest names the parallelx wheel's contents.
-SOURCE_DIRS = ("parallelx", "backends", "recipes")
 
 
 @dataclass(frozen=True)
@@ -98,16 +83,6 @@ def mib(n_bytes: int) -> float:
     return n_bytes / 2**20
 
 
-def source_digest(root: Path = ROOT) -> str:
-    """sha256 over parallelx's Python sources and pyproject.toml: equal digests,
-    equal wheel contents."""
-    h = hashlib.sha256()
-    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
-    for path in [*files, root / "pyproject.toml"]:
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def download_command(dists: Iterable[Dist], dest: Path, python: str = sys.executable) -> list[str]:
     """One ``pip download`` of every wheel, for CPython 3.12 on manylinux x86_64
     (``--only-binary``: a source archive of the wrong platform must not slip in)."""
@@ -123,14 +98,6 @@ def build_command(dist: Dist, dest: Path, python: str = sys.executable) -> list[
     (DeepSpeed's set-up imports torch: no build isolation)."""
     return [python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-binary", dist.name,
             "-w", str(dest), dist.requirement]
-
-
-def sdist_command(dist: Dist, dest: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dest), dist.requirement]
-
-
-def parallelx_command(dest: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dest), str(ROOT)]
 
 
 def expected_stems(dists: Sequence[Dist] = DISTS) -> list[str]:
@@ -192,37 +159,27 @@ def tree_bytes(root: Path = ROOT) -> int:
     return sum((root / f).stat().st_size for f in out.decode().split("\0") if f and (root / f).is_file())
 
 
-def run(cmd: list[str]) -> None:
+def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     print("[gpu-wheels] $ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=env)
 
 
 def make(dest: Path) -> None:
     """Fill ``dest`` afresh (into a temporary folder first, so a failed
     download never leaves a half folder that looks complete)."""
-    parent = dest.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".gpu-wheels-", dir=parent))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".gpu-wheels-", dir=dest.parent))
     try:
         run(download_command([d for d in DISTS if d.how == "download"], tmp))
-        env_before = os.environ.get("DS_BUILD_OPS")
-        os.environ["DS_BUILD_OPS"] = "0"  # no C++/CUDA ops: a pure-Python wheel
-        try:
-            for d in DISTS:
-                if d.how == "build":
-                    run(build_command(d, tmp))
-        finally:
-            if env_before is None:
-                os.environ.pop("DS_BUILD_OPS", None)
-            else:
-                os.environ["DS_BUILD_OPS"] = env_before
         for d in DISTS:
-            if d.how == "sdist":
-                run(sdist_command(d, tmp))
-        run(parallelx_command(tmp))
+            if d.how == "build":  # DS_BUILD_OPS=0: no C++/CUDA ops, a pure-Python wheel
+                run(build_command(d, tmp), env={**os.environ, "DS_BUILD_OPS": "0"})
+            elif d.how == "sdist":
+                run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp),
+                     d.requirement])
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)])
         files = sorted(p for p in tmp.iterdir() if p.is_file())
-        manifest = {"python": PYTHON_VERSION, "parallelx_source_digest": source_digest(),
-                    "files": {p.name: p.stat().st_size for p in files},
+        manifest = {"python": PYTHON_VERSION, "files": {p.name: p.stat().st_size for p in files},
                     "dists": {d.name: {"version": d.version, "how": d.how, "why": d.why} for d in DISTS}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if dest.exists():
