@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -41,21 +40,17 @@ class DDPBackend(ProcessGroupBackend):
                   "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
                   "'(gloo available)' if d.is_gloo_available() else '(no gloo)')")
 
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
-        if "TORCHELASTIC_RUN_ID" in environ:
-            return 10  # torchrun
-        if "RANK" in environ and "WORLD_SIZE" in environ:
-            return 5  # another launcher exporting the torch.distributed variables
-        return 0
+    # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
+    environments = ("torchrun", "deepspeed", "env", "local")
 
     def _init(self) -> None:
-        if "RANK" not in os.environ:
+        assert self.environment is not None
+        if self.environment.name == "local":
             warn(f"ddp: no launcher found, running as a world of 1 process; for N processes start with "
                  f"`{self.launcher.usage()}`")
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._local_rank = self.environment.world().local_rank
         self._device = self._pick_device(self._local_rank)
         self._init_process_group()
         self._read_world()

@@ -33,7 +33,7 @@ import datetime as _dt
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,13 @@ import torch
 from torch import nn
 
 from parallelx.backends import _deepspeed_zero as zero_state
-from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
+from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
 from parallelx.loop import LoopOptions
+from parallelx.precision import EnginePrecision, Precision
 from parallelx.process_group import ProcessGroupBackend
-from parallelx.protocol import keep_rng_state
+from parallelx.state import keep_rng_state
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
@@ -200,6 +201,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
     summary = "`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks"
     launcher = DEEPSPEED
+    # Its own launcher, torchrun (which restarts failed jobs; the deepspeed launcher does not), plain variables.
+    environments = ("deepspeed", "torchrun", "env")
     requires_module = "deepspeed"
     # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
     needs_watchdog = True
@@ -286,15 +289,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
 
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
-        launched = "CROSS_RANK" in environ or any(a.startswith(("--local_rank", "--local-rank")) for a in argv[1:])
-        return 20 if launched and "RANK" in environ and "TORCHELASTIC_RUN_ID" not in environ else 0
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"zero_stage": self.zero_stage}
 
     def _init(self) -> None:
-        if "RANK" not in os.environ:
-            raise LaunchError(f"deepspeed: not started by a launcher; run `{self.launcher.usage()} --backend "
-                              "deepspeed ...`")
         if self.device_request != "auto":
             # DeepSpeed picks its accelerator at import; this makes it the one asked for.
             os.environ["DS_ACCELERATOR"] = self.device_request
@@ -305,15 +303,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise BackendUnavailableError(f"deepspeed does not import ({exc}); {INSTALL_HINT}") from None
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.ds = deepspeed
-        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        assert self.environment is not None
+        self._local_rank = self.environment.world().local_rank
         accel = get_accelerator().device_name()
         self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
         self._init_process_group()  # parallelx's join (a store per torchrun restart); DeepSpeed then adopts it
         deepspeed.init_distributed(dist_backend=self._dist_backend(), verbose=False,
                                    timeout=_dt.timedelta(seconds=self.timeout_s))
-        # LOCAL_SIZE is the deepspeed launcher's name for it; under torchrun
-        # (which restarts failed jobs, the deepspeed launcher does not) LOCAL_WORLD_SIZE.
-        self._read_world("LOCAL_SIZE" if "LOCAL_SIZE" in os.environ else "LOCAL_WORLD_SIZE")
+        self._read_world()
         if self.math_changes:
             warn(f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
                  "what one process (and the other backends) compute")
@@ -374,8 +371,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
                  f"{o.grad_compression} separately; the update differs from the other backends (which round the "
                  "window's sum once) by that rounding")
 
-    def _make_grad_scaler(self) -> torch.amp.GradScaler | None:
-        return None  # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself
+    def _make_precision(self) -> Precision:
+        # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
+        return EnginePrecision(self.options.precision, self.device if self.initialized else None)
 
     def _backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
         engine = self._engine_for(loss, model)

@@ -12,7 +12,6 @@ With fewer than two GPUs (or ``device="cpu"``) it runs exactly like ``single``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,11 +27,6 @@ class DataParallelBackend(LocalBackend):
     summary = "`nn.DataParallel` over all visible GPUs, in one process"
     probe_code = ("import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
                   "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')")
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
-        # No launcher, several GPUs: one process driving all of them.
-        return 1 if torch.cuda.is_available() and torch.cuda.device_count() > 1 else 0
 
     def _init(self) -> None:
         self._device = self._pick_device(0)

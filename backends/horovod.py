@@ -13,12 +13,13 @@ loaded optimizer state) are broadcast.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from parallelx.batchnorm import convert_batchnorm
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
@@ -50,9 +51,8 @@ class HorovodBackend(Backend):
     probe_code = ("import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
                   "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')")
 
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> int:
-        return 20 if "HOROVOD_RANK" in environ else 0
+    # hvd.init() forms the world from horovodrun's variables; without them, a world of one.
+    environments = ("horovodrun", "local")
 
     def _init(self) -> None:
         # Horovod reads its timeouts from the environment: the Gloo rendezvous
@@ -68,7 +68,8 @@ class HorovodBackend(Backend):
                            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout)):
             if self.timeout_explicit or os.environ.get(key, "0") in ("", "0"):
                 os.environ[key] = str(value)
-        launched = "HOROVOD_RANK" in os.environ
+        assert self.environment is not None
+        launched = self.environment.name == "horovodrun"
         try:
             import horovod.torch as hvd
         except ImportError as exc:
@@ -176,8 +177,6 @@ class HorovodBackend(Backend):
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.world_size > 1 and self.device.type == "cuda":
-            from parallelx.batchnorm import convert_batchnorm
-
             return convert_batchnorm(model, self.hvd.SyncBatchNorm)
         # hvd.SyncBatchNorm runs on GPUs only; the base's reduces through all_reduce.
         return super()._sync_batchnorm(model)

@@ -22,8 +22,7 @@ from .registry import available_backends, backend_class, detect_backend, get_bac
 from .sampler import ShardedSampler
 from .trainstate import latest_checkpoint, load_training_state, save_training_state
 from .utils import seed_everything
-
-__version__ = "0.3.0"
+from .version import __version__
 
 __all__ = [
     "Backend",

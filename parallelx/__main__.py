@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import envreport
 from .cli import exit_on_error
 from .errors import ParallelxError
+from .registry import backend_class, markdown_table
+from .runner import launch
 
 
 @exit_on_error
@@ -33,20 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     target = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.command == "launchers":
-        from .launch import markdown_table
-
         print(markdown_table(args.module), end="")
         return 0
     if args.command == "env":
-        from .envreport import main as env_main
-
-        return env_main()
+        return envreport.main()
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
 
 
 def _launch(name: str, nproc: int, target: list[str], *, dry_run: bool) -> int:
-    from .registry import backend_class
-    from .runner import launch
 
     if not target:
         raise ParallelxError("nothing to launch: end with `-- -m package.module [args]` or `-- script.py [args]`")

@@ -81,3 +81,19 @@ def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
     except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
         raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+
+
+def save_on_main(state: Any, path: str | os.PathLike[str], *, is_main: bool,
+                 broadcast: Callable[[str | None], str | None]) -> None:
+    """Rank 0 writes ``state`` atomically; every rank returns once the file
+    exists, or raises the same error (``broadcast`` sends rank 0's word to
+    every rank and doubles as the barrier)."""
+    error: str | None = None
+    if is_main:
+        try:
+            atomic_save(state, path)
+        except Exception as exc:  # reported to every rank below
+            error = f"saving {path} failed on rank 0: {type(exc).__name__}: {exc}"
+    error = broadcast(error)
+    if error is not None:
+        raise ParallelxError(error)

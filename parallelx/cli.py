@@ -17,12 +17,13 @@ import functools
 import math
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from .errors import ParallelxError
-
-if TYPE_CHECKING:
-    from .protocol import Backend
+from .loop import COMPRESSIONS, PRECISIONS
+from .protocol import Backend
+from .registry import available_backends, backend_class, detect_backend, get_backend
+from .settings import DEVICES
 
 F = TypeVar("F", bound=Callable[..., int | None])
 
@@ -70,10 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
     (``--accumulate``, ``--clip-grad-norm``, ``--precision``,
     ``--grad-compression``) and every registered backend's own options to
     ``parser``; returns the parser."""
-    from .loop import COMPRESSIONS, PRECISIONS
-    from .protocol import DEVICES
-    from .registry import available_backends, backend_class
-
     names = available_backends()
     group = parser.add_argument_group("parallelx")
     group.add_argument("--backend", default=default, choices=names,
@@ -105,8 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
 def from_args(args: argparse.Namespace) -> Backend:
     """Create (not init) the backend that ``args.backend`` names (``auto``
     included), with the options the parsed arguments give it."""
-    from .registry import backend_class, detect_backend, get_backend
-
     name = getattr(args, "backend", "auto") or "auto"
     if name == "auto":
         name = detect_backend()

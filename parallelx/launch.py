@@ -138,16 +138,3 @@ def _split_target(target: str) -> tuple[str, str]:
 
 
 PYTHON = Launcher(name="python", module="{python} -m {module}", file="{python} {file}", multi_process=False)
-
-
-def markdown_table(module: str = "recipes.dogcat") -> str:
-    """The README's table of backends: name, launch line, what runs."""
-    from .registry import available_backends, backend_class
-
-    rows = ["| backend | launch | what runs |", "|---|---|---|"]
-    for name in available_backends():
-        if name == "auto":
-            continue
-        cls = backend_class(name)
-        rows.append(f"| `{name}` | `{cls.launcher.example(module)} --backend {name}` | {cls.summary} |")
-    return "\n".join(rows) + "\n"

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 import torch
 
+from .errors import ParallelxError
 from .log import warn
 from .loop import LoopOptions
 from .protocol import Backend
@@ -31,8 +32,6 @@ class LocalBackend(Backend):
     def broadcast(self, obj: T, src: int = 0) -> T:
         self._require_init()
         if src != 0:
-            from .errors import ParallelxError
-
             raise ParallelxError(f"broadcast from rank {src} in a world of 1 process (only rank 0 exists)")
         return obj
 

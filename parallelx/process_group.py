@@ -101,11 +101,17 @@ class ProcessGroupBackend(Backend):
 
     #: Variables the launcher must have set for ``init_process_group``.
     REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    #: False where the process group was there before init() (a cluster
+    #: environment made it): it is that environment's to destroy.
+    _owns_group = False
 
     def _init_process_group(self) -> None:
-        """Join the default process group from the launcher's environment."""
+        """Join the default process group of this process's cluster environment,
+        or adopt the one that environment already made."""
         if dist.is_initialized():
             return
+        assert self.environment is not None
+        self.environment.export()  # the torch.distributed variables, where the environment names them otherwise
         missing = [k for k in self.REQUIRED_ENV if k not in os.environ]
         if missing:
             raise LaunchError(f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
@@ -117,16 +123,19 @@ class ProcessGroupBackend(Backend):
         else:
             dist.init_process_group(backend=self._dist_backend(), timeout=timeout, store=store,
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        self._owns_group = True
 
     def _dist_backend(self) -> str:
         # NCCL for a process that has its own GPU, else Gloo.
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def _read_world(self, local_size_variable: str = "LOCAL_WORLD_SIZE") -> None:
+    def _read_world(self) -> None:
         """Rank and world size from the joined group; the processes on this
-        machine from the launcher's variable (torchrun's by default)."""
+        machine from the cluster environment."""
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        self._local_world_size = int(os.environ.get(local_size_variable, self._world_size))
+        assert self.environment is not None
+        world = self.environment.world()
+        self._local_world_size = world.local_world_size if world.world_size == self._world_size else 1
 
     def _comm_device(self, tensor: torch.Tensor) -> torch.device:
         # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
@@ -183,4 +192,6 @@ class ProcessGroupBackend(Backend):
                 # checkpoint's agreement): a barrier through wait() keeps them
                 # alive past teardown (see _RECENT_WORK).
                 self.barrier()
-            dist.destroy_process_group()
+            if self._owns_group:
+                dist.destroy_process_group()
+                self._owns_group = False

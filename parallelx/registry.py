@@ -13,12 +13,11 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .environments import detect_environment
 from .errors import BackendUnavailableError, UnknownBackendError
-
-if TYPE_CHECKING:
-    from .protocol import Backend
+from .protocol import Backend
 
 ENTRY_POINT_GROUP = "parallelx.backends"
 
@@ -59,8 +58,6 @@ def backend_class(name: str) -> type[Backend]:
     """The Backend subclass registered as ``name`` (imports its module, which
     never imports the backend's heavy package).  ``auto`` is the class the
     launcher of this process was meant for (see :func:`detect_backend`)."""
-    from .protocol import Backend
-
     if name == "auto":
         name = detect_backend()
     table = _table()
@@ -77,16 +74,20 @@ def backend_class(name: str) -> type[Backend]:
 
 
 def detect_backend(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
-    """The backend the launcher of this process was meant for.
+    """The backend the cluster environment of this process means.
 
-    Each backend scores the environment (torchrun's, horovodrun's and the
-    deepspeed launcher's variables); the highest score wins, and ``single``
-    is the fallback.
+    The environment (:func:`parallelx.environments.detect_environment`) names
+    its backend: torchrun and plain ``RANK``/``WORLD_SIZE`` variables ->
+    ``ddp``, horovodrun -> ``horovod``, the deepspeed launcher -> ``deepspeed``,
+    none -> ``dp`` with several GPUs, else ``single``.  A third-party backend
+    whose ``detect()`` scores the environment above 0 wins over that.
     """
     env = os.environ if environ is None else environ
     args = sys.argv if argv is None else argv
-    best, best_score = "single", 0
+    best, best_score = detect_environment(env, args).auto_backend(), 0
     for name in _table():
+        if name in _BUILTIN:
+            continue  # built-in backends leave the choice to the environment
         try:
             score = backend_class(name).detect(env, args)
         except ImportError:
@@ -115,3 +116,14 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
         return cls(**options)
     except TypeError as exc:
         raise UnknownBackendError(f"backend {name!r} does not accept these options: {exc}") from None
+
+
+def markdown_table(module: str = "recipes.dogcat") -> str:
+    """The README's table of backends: name, launch line, what runs."""
+    rows = ["| backend | launch | what runs |", "|---|---|---|"]
+    for name in available_backends():
+        if name == "auto":
+            continue
+        cls = backend_class(name)
+        rows.append(f"| `{name}` | `{cls.launcher.example(module)} --backend {name}` | {cls.summary} |")
+    return "\n".join(rows) + "\n"

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .errors import ParallelxError
+from .log import warn
 
 
 class ShardedSampler(Sampler[int]):
@@ -221,8 +222,6 @@ class ShardedSampler(Sampler[int]):
             if pending[0] == epoch:
                 start = pending[1]
             else:
-                from .log import warn
-
                 warn(f"sampler: the loaded state continues epoch {pending[0]} at position {pending[1]}, but this "
                      f"pass is epoch {epoch} (set_epoch changed it): epoch {epoch} is taken whole")
         if start != self._start:

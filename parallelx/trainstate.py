@@ -7,7 +7,6 @@ Every rank calls both functions (gathering sharded state is collective)::
         info = parallelx.load_training_state(backend, path, model=model, optimizer=optimizer,
                                               scheduler=scheduler, sampler=sampler)
         counters = info["counters"]                            # what was passed to save
-    ...
     parallelx.save_training_state(backend, run_dir, step=counters["global_step"], model=model,
                                   optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                                   counters=counters)
@@ -15,52 +14,50 @@ Every rank calls both functions (gathering sharded state is collective)::
 Layout, all plain PyTorch files that ``torch.load(path, weights_only=True)`` reads::
 
     <run_dir>/checkpoints/latest                  the newest complete checkpoint's name
-    <run_dir>/checkpoints/step-00000120/state.pt  model, optimizer (keyed by parameter name),
-                                                  scheduler, scaler, sampler, counters, metadata
+    <run_dir>/checkpoints/step-00000120/state.pt  model, optimizer, scheduler, scaler, sampler, counters, meta
     <run_dir>/checkpoints/step-00000120/rng-rank0.pt, rng-rank1.pt, ...   one per rank
 
-A checkpoint is written into a hidden temporary directory beside the others,
-every file flushed to disk, and only then renamed to its final name (one
-atomic rename) and named in ``latest``: a crash at any moment, SIGKILL
-included, leaves either the complete new checkpoint or none, and never
-touches the previous ones.  Older checkpoints are removed only after that,
-keeping the newest ``keep``.  ``<run_dir>`` must be a directory that every
-rank sees (rank 0 creates it; every rank writes its own RNG file into it).
+Written into a hidden directory, flushed, then renamed in one step and named
+in ``latest``: a crash at any moment leaves the complete new checkpoint or
+none, never touching the previous ones (the newest ``keep`` are kept).
+``<run_dir>`` must be a directory that every rank sees.  The optimizer's state
+is keyed by parameter name and gathered whole from backends that shard it, so
+a checkpoint loads on any backend at any world size; a rank that has no RNG
+state in it (the world grew) starts from rank 0's.
 
-The optimizer's state is stored in ``torch.optim``'s layout but keyed by
-parameter name (``{"state": {"fc1.weight": {...}}, "param_groups": [{...,
-"params": ["fc1.weight", ...]}]}``) and gathered whole from backends that
-shard it, so a checkpoint loads on any backend and at any world size.  RNG
-states are per rank; a rank that has none in the checkpoint (the world grew)
-starts from rank 0's, with a warning.
-
-For an exact continuation, give the DataLoader its own generator
-(``DataLoader(..., generator=torch.Generator().manual_seed(loader_seed))``):
-every ``iter(loader)`` draws a seed, and a resumed run starts one iterator
-more than the uninterrupted run did, which would otherwise shift the global
-torch RNG.  The sampler's position is counted in indices handed out, exact
-with ``num_workers=0``; with worker processes pass
-``sampler=sampler.state_dict(consumed=batches_done * batch_size)``.
+For an exact continuation give the DataLoader its own generator (every
+``iter(loader)`` draws a seed from the global one), and with loader workers
+pass ``sampler=sampler.state_dict(consumed=batches_done * batch_size)``.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from . import checkpoint, log
 from .errors import ParallelxError
+from .state import (  # noqa: F401
+    check_named_groups,
+    indexed_optimizer_state,
+    load_named_optimizer_state,
+    named_from_indexed,
+    named_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+
+# Importable from here as before; they live in the pure helpers' module.
+from .version import __version__
 
 if TYPE_CHECKING:
     from .protocol import Backend
@@ -100,7 +97,7 @@ def save_training_state(
     the main rank's own loop state (floats, lists, dicts: metrics so far),
     stored as given and returned by :func:`load_training_state`.  ``scaler``
     defaults to the backend's own (``backend.grad_scaler``, under 16-mixed)."""
-    backend._require_init()
+    _require_initialized(backend)
     scaler = backend.grad_scaler if scaler is None else scaler  # 16-mixed's loss scale resumes too
     if keep < 1:
         raise ParallelxError(f"save_training_state(keep=...) must be >= 1, got {keep}")
@@ -212,7 +209,7 @@ def load_training_state(
     this.**  Returns ``{"counters": ..., "loader_seed": ..., "meta": ..., "extra": ...}``.
     This rank's random number generators are restored last, so that nothing
     loaded here draws from them afterwards."""
-    backend._require_init()
+    _require_initialized(backend)
     # The backend's own scaler (16-mixed) by default; a checkpoint written in
     # another precision has none, and the scaler then starts afresh.
     default_scaler = scaler is None
@@ -253,121 +250,12 @@ def load_training_state(
             "extra": state.get("extra")}
 
 
-# ------------------------------------------------------- random numbers
-def rng_state() -> dict[str, Any]:
-    """This process's Python, NumPy and torch (CPU and CUDA) RNG states as
-    tensors and plain values only (loadable with ``weights_only=True``)."""
-    version, internal, gauss_next = random.getstate()
-    np_name, keys, pos, has_gauss, cached = np.random.get_state()
-    cuda = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = [t.clone() for t in torch.cuda.get_rng_state_all()]
-    return {
-        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"name": str(np_name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": cuda,
-    }
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    cuda = state["cuda"]
-    if cuda and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        if len(cuda) != n:
-            log.warn(f"the checkpoint holds CUDA RNG states for {len(cuda)} device(s), this process sees {n}: "
-                     f"the first {min(n, len(cuda))} are restored")
-        for i, s in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(s, i)
-    elif cuda:
-        log.warn("the checkpoint holds CUDA RNG states but CUDA is not available here; they are not restored")
-
-
-# ------------------------------------------- optimizer state by parameter name
-def named_optimizer_state(optimizer: Any, names: Mapping[int, str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter indices replaced by names
-    (``names`` maps ``id(parameter)`` to its name), tensors on the CPU."""
-    plain = optimizer.state_dict()
-    params = _names_in_order(optimizer.param_groups, names)
-    state = {params[i]: checkpoint.to_cpu(s) for i, s in plain["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
-              for g in plain["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def load_named_optimizer_state(optimizer: Any, names: Mapping[int, str], named: Mapping[str, Any]) -> None:
-    """Load a state from :func:`named_optimizer_state` into ``optimizer``,
-    matching parameters by name, whatever their order there."""
-    check_named_groups(named, [[names[id(p)] if id(p) in names else "?" for p in g["params"]]
-                               for g in optimizer.param_groups])
-    order = _names_in_order(optimizer.param_groups, names)
-    index = {n: i for i, n in enumerate(order)}
-    groups = []
-    for saved, live in zip(named["param_groups"], optimizer.param_groups):
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": [index[names[id(p)]] for p in live["params"]]})
-    state = {index[n]: s for n, s in named["state"].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def indexed_optimizer_state(named: Mapping[str, Any]) -> dict[str, Any]:
-    """The same state with names replaced by the positions ``torch.optim`` uses
-    (in the order of the param groups' name lists)."""
-    index: dict[str, int] = {}
-    for g in named["param_groups"]:
-        for n in g["params"]:
-            index.setdefault(n, len(index))
-    return {"state": {index[n]: s for n, s in named["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]}
-
-
-def named_from_indexed(plain: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """Inverse of :func:`indexed_optimizer_state`, given each group's names."""
-    check_named_groups({"param_groups": [{"params": list(g)} for g in groups]},
-                       [[f"#{i}" for i in g["params"]] for g in plain["param_groups"]], names_only=False)
-    params = [n for g in groups for n in g]
-    return {"state": {params[int(i)]: s for i, s in plain["state"].items()},
-            "param_groups": [{**g, "params": list(names)} for g, names in zip(plain["param_groups"], groups)]}
-
-
-def check_named_groups(named: Mapping[str, Any], live: Sequence[Sequence[str]], *, names_only: bool = True) -> None:
-    """A one-line error when the saved param groups do not hold the same
-    parameters (by name, or only by count) as the live optimizer's."""
-    saved = [list(g["params"]) for g in named["param_groups"]]
-    if len(saved) != len(live):
-        raise ParallelxError(f"the saved optimizer state has {len(saved)} parameter group(s), this optimizer "
-                             f"{len(live)}; build the optimizer as the run that saved it did")
-    for i, (s, here) in enumerate(zip(saved, live)):
-        if (set(s) != set(here)) if names_only else (len(s) != len(here)):
-            missing = sorted(set(here) - set(s))[:3] if names_only else []
-            extra = sorted(set(s) - set(here))[:3] if names_only else []
-            raise ParallelxError(f"parameter group {i} of the saved optimizer state holds {len(s)} parameters, "
-                                 f"this optimizer's {len(here)}" + (f" (not saved: {missing}, not here: {extra})"
-                                                                  if names_only else "")
-                                 + "; the checkpoint is of another model or optimizer set-up")
-
-
-def _names_in_order(param_groups: Sequence[Mapping[str, Any]], names: Mapping[int, str]) -> list[str]:
-    out = []
-    for g in param_groups:
-        for p in g["params"]:
-            if id(p) not in names:
-                raise ParallelxError("the optimizer holds a parameter that is not among the model's "
-                                     "named_parameters(); build the optimizer on model.parameters()")
-            out.append(names[id(p)])
-    return out
-
-
 # ---------------------------------------------------------------- helpers
+def _require_initialized(backend: Backend) -> None:
+    if not backend.initialized:
+        raise ParallelxError(f"backend {backend.name!r} is not initialised: call backend.init() first")
+
+
 def _check_counters(counters: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(counters, Mapping):
         raise ParallelxError(f"counters must be a dict of str to int, got {type(counters).__name__}")
@@ -387,18 +275,16 @@ def _optimizer_type(optimizer: Any) -> str:
 
 
 def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
-    import parallelx
-
-    stage = getattr(backend, "zero_stage", None)
     return {
         "format": FORMAT_VERSION,
         "backend": backend.name,
         "world_size": backend.world_size,
-        "zero_stage": None if stage is None else int(stage),
+        "zero_stage": None,  # set by the backends that have one (checkpoint_meta)
+        **backend.checkpoint_meta(),
         "optimizer": _optimizer_type(optimizer),
         "step": step,
         "torch": str(torch.__version__),
-        "parallelx": str(parallelx.__version__),
+        "parallelx": __version__,
         "time": time.time(),
     }
 

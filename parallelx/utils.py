@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 
@@ -28,3 +29,15 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
     """True when ``model`` has a BatchNorm layer: its statistics are where data
     parallelism differs from one device on the whole batch."""
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def missing_package(module: str | None, install_hint: str) -> str | None:
+    """Why a backend needing ``module`` cannot run here, or None.  Only looks
+    (``find_spec``): the heavy package is not imported."""
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"the {module} package is not installed; {install_hint}"

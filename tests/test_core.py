@@ -303,7 +303,7 @@ def test_deepspeed_config_that_changes_the_math_is_named(tmp_path):
 
 
 def test_readme_table_is_the_launchers_own():
-    from parallelx.launch import markdown_table
+    from parallelx.registry import markdown_table
 
     readme = (ROOT / "README.md").read_text()
     begin, end = "<!-- launchers:begin -->\n", "<!-- launchers:end -->"

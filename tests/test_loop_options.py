@@ -119,7 +119,7 @@ def test_batches_without_length_and_limit():
         assert list(backend.batches(range(10), limit=3)) == [0, 1, 2]
         windows = []
         for _ in backend.batches(iter(range(5))):
-            windows.append((backend._window.position, backend._window.size))
+            windows.append((backend._loop.window.position, backend._loop.window.size))
         assert windows == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
 
 

@@ -1,0 +1,100 @@
+"""What a cluster environment is: where this process's place in the job comes from.
+
+A launcher or scheduler (torchrun, horovodrun, the deepspeed launcher, a
+plain set of ``RANK``/``WORLD_SIZE`` variables, or nothing at all) tells each
+process its rank, the size of the world, its place on its machine and where
+the rendezvous is.  How that is read is one small :class:`ClusterEnvironment`
+per launcher, detected once and handed to whichever backend was chosen; how a
+backend then averages gradients is none of its business.  A backend declares
+the environments it can run in (``Backend.environments``).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import LaunchError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job, as its environment gives it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    #: The rendezvous of ``torch.distributed`` (None where the environment has none).
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+class ClusterEnvironment(abc.ABC):
+    """One launcher's or scheduler's way of telling a process where it stands."""
+
+    #: Short name, shown by ``python -m parallelx env`` and in errors (``torchrun``).
+    name: ClassVar[str] = ""
+    #: The backend ``--backend auto`` picks in this environment.
+    default_backend: ClassVar[str] = "ddp"
+    #: Detection order: the most specific environment is tried first.
+    priority: ClassVar[int] = 0
+    #: True where the environment creates the process group itself before the
+    #: script runs and destroys it afterwards: a backend adopts that group and
+    #: leaves it alone at shutdown.
+    owns_process_group: ClassVar[bool] = False
+
+    def __init__(self, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        self.argv: Sequence[str] = argv if argv is not None else []
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, environ: Mapping[str, str], argv: Sequence[str]) -> bool:
+        """True when this process was started by this environment."""
+
+    @abc.abstractmethod
+    def world(self) -> World:
+        """Rank, sizes and rendezvous, read from the environment."""
+
+    @classmethod
+    def auto_backend(cls) -> str:
+        """The backend ``--backend auto`` picks here."""
+        return cls.default_backend
+
+    def why(self) -> str:
+        """One line: what in the environment gave it away (for ``python -m parallelx env``)."""
+        return ""
+
+    def export(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Set the ``torch.distributed`` variables (``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+        that ``init_process_group("env://")`` and DeepSpeed read, where the
+        environment gives them under other names.  Variables already set win."""
+        target = os.environ if environ is None else environ
+        w = self.world()
+        values = {"RANK": w.rank, "WORLD_SIZE": w.world_size, "LOCAL_RANK": w.local_rank,
+                  "LOCAL_WORLD_SIZE": w.local_world_size, "MASTER_ADDR": w.master_addr, "MASTER_PORT": w.master_port}
+        for key, value in values.items():
+            if value is not None and key not in target:
+                target[key] = str(value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.world()})"
+
+
+def int_var(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    """The first of ``names`` that is set, as an int (``default`` when none is)."""
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)  # type: ignore[arg-type]
+            except ValueError:
+                raise LaunchError(f"${name} must be an integer, got {value!r}") from None
+    if default is None:
+        raise LaunchError(f"none of {', '.join('$' + n for n in names)} is set")
+    return default
