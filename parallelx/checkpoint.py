@@ -19,24 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import state as pure
 from .errors import ParallelxError
+from .state import to_cpu
 
 
 def is_optimizer(obj: Any) -> bool:
     """A torch optimizer, or anything shaped like one (a backend's wrapper)."""
     return isinstance(obj, torch.optim.Optimizer) or (
         callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups"))
-
-
-def to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` with every tensor detached and on the CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
 
 
 def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state: Callable[[Any], Any]) -> Any:
@@ -97,3 +88,41 @@ def save_on_main(state: Any, path: str | os.PathLike[str], *, is_main: bool,
     error = broadcast(error)
     if error is not None:
         raise ParallelxError(error)
+
+
+class StateHooks:
+    """How a backend hands out and takes back whole state: ``Backend`` inherits
+    these plain answers, and a backend that shards parameters or optimizer
+    state (DeepSpeed's ZeRO) overrides them with its gathering and scattering.
+    :meth:`Backend.save` and the training-state checkpoints
+    (:mod:`parallelx.trainstate`) ask only these."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:  # Backend's
+        raise NotImplementedError
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full, unwrapped ``state_dict`` as CPU tensors.  A collective on
+        backends that shard parameters: every rank must call it."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
+
+    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
+        """A plain ``torch.optim`` state dict (tensors on the CPU), or None with a
+        warning when the backend keeps it in a form that cannot be made portable."""
+        return to_cpu(optimizer.state_dict())
+
+    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's whole state in ``torch.optim``'s layout keyed by
+        ``model``'s parameter names, on the CPU.  A collective where it is sharded."""
+        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
+        return pure.named_optimizer_state(optimizer, names)
+
+    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`named_optimizer_state` returned (any backend, any
+        world size), matching parameters by name.  Every rank calls it."""
+        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
+        pure.load_named_optimizer_state(optimizer, names, state)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a training-state checkpoint records of this backend's set-up
+        besides its name and world size (DeepSpeed: its ZeRO stage)."""
+        return {}

@@ -20,6 +20,7 @@ for commands; a launcher program found beside this interpreter (a venv's
 from __future__ import annotations
 
 import shlex
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -112,8 +113,6 @@ class Launcher:
 
 def resolve_program(name: str) -> str:
     """``name`` beside this interpreter if it is there, else from ``PATH``."""
-    import shutil
-
     local = BIN / name
     if local.is_file():
         return str(local)

@@ -1,17 +1,6 @@
 """The ``Backend`` protocol: what a training script asks of a distributed
-backend, and what a backend's author implements.
-
-A script written against this class runs unchanged on every backend::
-
-    with parallelx.get_backend(args.backend) as backend:   # init(); released even when training raises
-        model = backend.wrap_model(model)
-        optimizer = backend.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        sampler = backend.make_sampler(train_set, shuffle=True)
-        for x, y in DataLoader(train_set, batch_size=64, sampler=sampler):
-            backend.backward(criterion(model(x.to(backend.device)), y.to(backend.device)))
-            optimizer.step()
-            optimizer.zero_grad()
-        backend.save({"model": model, "optimizer": optimizer}, "ckpt.pth")  # on every rank
+backend (``recipes/example.py`` shows the whole loop), and what a backend's
+author implements.
 
 ``Backend`` is the strategy: lifecycle, device, wrapping, collectives.  The
 rest lives in modules of its own and is reached in one to three lines from
@@ -19,9 +8,8 @@ here: where the ranks come from (:mod:`parallelx.environments`), the loop
 (:mod:`parallelx.loop`), precision (:mod:`parallelx.precision`), gathering
 (:mod:`parallelx.gather`), buffers (:mod:`parallelx.buffers`), synchronised
 BatchNorm (:mod:`parallelx.batchnorm`), files (:mod:`parallelx.checkpoint`).
-The class is abstract in everything a multi-process backend must get right
-(joining the world, wrapping the model, the collectives), so a backend that
-forgets one fails at class creation, not with silently wrong numbers.
+It is abstract in what a multi-process backend must get right (joining,
+wrapping, collectives): a backend that forgets one fails at class creation.
 """
 
 from __future__ import annotations
@@ -32,23 +20,24 @@ import atexit
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
 from . import buffers, checkpoint, gather, log
-from . import state as pure
 from .batchnorm import SyncBatchNorm, convert_batchnorm
+from .checkpoint import StateHooks
+from .elastic import ElasticHooks
 from .environments import ClusterEnvironment, detect_environment
 from .errors import LaunchError, ParallelxError
 from .launch import PYTHON, Launcher
 from .loop import LoopHooks, LoopOptions, StepResult, TrainingLoop
 from .precision import Precision
 from .sampler import ShardedSampler
-from .settings import DEFAULT_TIMEOUT_S, DEVICES, REDUCE_OPS, ReduceOp, default_timeout  # noqa: F401 (importable)
-from .settings import check_device, check_op, check_timeout, common_options, limit_cpu_threads, pick_device
+from .settings import DEFAULT_TIMEOUT_S, DEVICES, REDUCE_OPS, ReduceOp, check_op, default_timeout  # noqa: F401
+from .settings import check_device, check_timeout, common_options, limit_cpu_threads, pick_device
 from .state import keep_rng_state
 from .utils import has_batchnorm, missing_package
 from .watchdog import Watchdog
@@ -56,7 +45,7 @@ from .watchdog import Watchdog
 T = TypeVar("T")
 
 
-class Backend(LoopHooks, abc.ABC):
+class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
     """Base class of all backends: one module each under ``backends/``."""
 
     #: Registry name, e.g. ``"ddp"``.
@@ -102,20 +91,8 @@ class Backend(LoopHooks, abc.ABC):
         self.precision: Precision = self._make_precision()
         self._watchdog: Watchdog | None = None
         self._buffer_sync = buffers.BufferSync(lambda t: self.broadcast(t, src=0))
-        self._constructed = True
 
     # ------------------------------------------------------------------ info
-    @property
-    def _rank(self) -> int:
-        return self.__dict__.get("_rank_value", 0)
-
-    @_rank.setter
-    def _rank(self, value: int) -> None:
-        # Known from here on: warnings are printed by rank 0 only (see parallelx.log).
-        self.__dict__["_rank_value"] = value
-        if self.__dict__.get("_constructed"):
-            log.set_rank(value)
-
     @property
     def rank(self) -> int:
         """Global rank of this process among the data-parallel processes."""
@@ -191,6 +168,7 @@ class Backend(LoopHooks, abc.ABC):
             raise LaunchError(f"{self.name} cannot form its world under {env.name} ({env.why()}); it runs under "
                               f"{', '.join(self.environments)}: start it with `{self.launcher.usage()} --backend "
                               f"{self.name} ...`")
+        log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
         with keep_rng_state():
             self._init()
         self._initialized = True
@@ -445,34 +423,7 @@ class Backend(LoopHooks, abc.ABC):
             return model
         return convert_batchnorm(model, SyncBatchNorm, reduce=lambda t: self.all_reduce(t, "sum"))
 
-    # ---------------------------------------------------------- checkpoints
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full, unwrapped ``state_dict`` as CPU tensors.  A collective on
-        backends that shard parameters: every rank must call it."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
-
-    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
-        """A plain ``torch.optim`` state dict (tensors on the CPU), or None with a
-        warning when the backend keeps it in a form that cannot be made portable."""
-        return checkpoint.to_cpu(optimizer.state_dict())
-
-    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's whole state in ``torch.optim``'s layout keyed by
-        ``model``'s parameter names, on the CPU.  A collective where it is sharded."""
-        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
-        return pure.named_optimizer_state(optimizer, names)
-
-    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
-        """Load what :meth:`named_optimizer_state` returned (any backend, any
-        world size), matching parameters by name.  Every rank calls it."""
-        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
-        pure.load_named_optimizer_state(optimizer, names, state)
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """What a training-state checkpoint records of this backend's set-up
-        besides its name and world size (DeepSpeed: its ZeRO stage)."""
-        return {}
-
+    # ------------------------------------------- checkpoints (the state hooks: parallelx.checkpoint.StateHooks)
     def portable(self, obj: Any) -> Any:
         """``obj`` with every model and optimizer replaced by its plain state dict.
         A collective: every rank must call it with the same structure."""
@@ -497,18 +448,3 @@ class Backend(LoopHooks, abc.ABC):
             self.unwrap(target).load_state_dict(state)
         else:
             target.load_state_dict(state)
-
-    # ---------------------------------------------------------- elastic runs
-    def run_elastic(self, train: Callable[[], T]) -> T:
-        """Run ``train()``, again in the new world after a lost rank where the
-        launcher can change the world (``horovodrun --min-np --max-np``);
-        elsewhere once.  ``train`` builds everything afresh each time and
-        resumes from ``parallelx.latest_checkpoint`` (README, "Surviving
-        failures").  Returns what ``train()`` returned."""
-        self._require_init()
-        return train()
-
-    def elastic_commit(self) -> None:
-        """Mark the checkpoint just saved as where an elastic run goes back to
-        (hosts join or leave here).  Every rank calls it; elsewhere a no-op."""
-        self._require_init()

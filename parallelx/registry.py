@@ -104,7 +104,7 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
     horovodrun -> ``horovod``, the deepspeed launcher -> ``deepspeed``; with no
     launcher, ``dp`` when several GPUs are visible, else ``single``.
     ``options`` go to the backend's constructor (e.g. ``timeout=60``,
-    ``zero_stage=2``).
+    ``accumulate=4``).
     """
     if name == "auto":
         name = detect_backend()

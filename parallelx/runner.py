@@ -22,6 +22,7 @@ that the command line and the harnesses can use it without import circles.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -184,8 +185,6 @@ def _stop(proc: subprocess.Popen[Any], grace: float, *, group: bool = True) -> N
 def _die_with_parent() -> None:
     """In the child, before the launcher starts: PR_SET_PDEATHSIG (Linux only; elsewhere nothing)."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
         pass

@@ -1,7 +1,7 @@
 """Pure helpers about training state: random generators, optimizer state by
 parameter name, CPU copies.  They take plain objects (an optimizer, a dict of
 names), never a backend, and import nothing of parallelx but its leaves
-(errors, log, checkpoint's copies), so that the backend, the checkpoints and
+(errors, log), so that the backend, the checkpoints and
 the backends' own state code can all use them without import circles.
 """
 
@@ -16,8 +16,18 @@ import numpy as np
 import torch
 
 from . import log
-from .checkpoint import to_cpu
 from .errors import ParallelxError
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` with every tensor detached and on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 @contextlib.contextmanager

@@ -279,7 +279,6 @@ def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
         "format": FORMAT_VERSION,
         "backend": backend.name,
         "world_size": backend.world_size,
-        "zero_stage": None,  # set by the backends that have one (checkpoint_meta)
         **backend.checkpoint_meta(),
         "optimizer": _optimizer_type(optimizer),
         "step": step,

@@ -143,7 +143,7 @@ class ThreadBackend(Backend):
         self.meeting, self.thread_rank = meeting, rank
 
     def _init(self) -> None:
-        self.__dict__["_rank_value"] = self.thread_rank  # not log.set_rank: that is per process
+        self._rank = self.thread_rank  # not log.set_rank: that is per process
         self._world_size = len(self.meeting.slots)
 
     def init(self) -> ThreadBackend:  # no CPU-thread limits or atexit hooks for a thread

@@ -1,0 +1,154 @@
+"""The package's shape, checked: layers without import circles, no file past
+450 lines, backend knowledge only in backends/.
+
+Read from the source (ast), so it needs no import and no subprocess."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT = 450
+
+#: Bottom to top: a module may import its own layer's and lower layers' modules only.
+LAYERS: list[set[str]] = [
+    {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
+    {"settings", "state", "launch", "runner", "environments", "precision"},
+    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic"},
+    {"protocol"},
+    {"local", "process_group", "trainstate", "preempt"},
+    {"registry"},
+    {"cli", "envreport", "backends"},
+    {"__init__", "__main__"},
+]
+#: Packages a module may import inside a function: the optional heavy ones.
+HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas")
+
+
+def modules() -> dict[str, Path]:
+    """``layer name`` -> file, for parallelx/ (environments/ counts as one module) and backends/."""
+    found = {}
+    for path in sorted((ROOT / "parallelx").rglob("*.py")):
+        rel = path.relative_to(ROOT / "parallelx")
+        found[f"parallelx/{rel}"] = path
+    for path in sorted((ROOT / "backends").glob("*.py")):
+        found[f"backends/{path.name}"] = path
+    return found
+
+
+def layer_of(key: str) -> str:
+    if key.startswith("backends/"):
+        return "backends"
+    rel = key.removeprefix("parallelx/")
+    return rel.split("/")[0] if "/" in rel else rel.removesuffix(".py")
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            inside.update(id(n) for n in ast.walk(node))
+    return inside
+
+
+def imports(path: Path, key: str) -> tuple[set[str], list[str]]:
+    """The package layers ``path`` imports at run time, and its function-local imports."""
+    tree = ast.parse(path.read_text())
+    typing_only = _type_checking_nodes(tree)
+    local_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    package = key.removeprefix("parallelx/").split("/")[:-1]
+    targets: set[str] = set()
+    local: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] if key.startswith("parallelx/") else ["backends"]
+            parts = [*base, *(node.module.split(".") if node.module else [])]
+            names = [parts[0] if parts else a.name for a in node.names]
+            mods = [".".join(["parallelx", *parts])] if parts else [f"parallelx.{n}" for n in names]
+        else:
+            mods = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module == "parallelx":
+                mods = [f"parallelx.{a.name}" for a in node.names]
+        for mod in filter(None, mods):
+            if id(node) in local_nodes:
+                local.append(mod)
+            if mod.startswith("parallelx.backends"):
+                targets.add("backends")
+            elif mod.startswith("parallelx."):
+                targets.add(mod.split(".")[1])
+            elif mod == "parallelx":
+                targets.add("__init__")
+    targets.discard(layer_of(key))
+    return targets, local
+
+
+def test_no_file_is_longer_than_the_limit():
+    long = {k: n for k, p in modules().items() if (n := len(p.read_text().splitlines())) > LIMIT}
+    assert not long, f"files over {LIMIT} lines (split them by concern): {long}"
+
+
+def test_imports_follow_the_layers_and_have_no_circle():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph: dict[str, set[str]] = {}
+    wrong = []
+    for key, path in modules().items():
+        me = layer_of(key)
+        assert me in rank, f"{key}: give it a layer in LAYERS"
+        targets, _ = imports(path, key)
+        graph.setdefault(me, set()).update(targets)
+        for t in targets:
+            assert t in rank, f"{key} imports parallelx.{t}, which has no layer"
+            if rank[t] > rank[me]:
+                wrong.append(f"{key} (layer {rank[me]}) imports {t} (layer {rank[t]})")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+    # And no circle at all, whatever the layers say.
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            assert state.get(nxt) != 1, f"import circle: {' -> '.join([*trail, node, nxt])}"
+            if nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_function_local_imports_are_only_for_heavy_optional_packages():
+    offenders = []
+    for key, path in modules().items():
+        _, local = imports(path, key)
+        offenders += [f"{key}: {m}" for m in local if not m.startswith(HEAVY)]
+    assert not offenders, "import these at the top of the module:\n" + "\n".join(offenders)
+
+
+def test_no_backend_knowledge_outside_backends():
+    """Backend names in comparisons, and backend-specific attributes, belong in backends/."""
+    names = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](ddp|horovod|deepspeed|dp|single|fsdp)["']""")
+    attributes = re.compile(r"""zero_stage|\.hvd\b|\.ds\.|getattr\((self\.)?backend\b|backend\._require_init""")
+    offenders = []
+    for folder in ("parallelx", "recipes", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for no, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if names.search(code) or attributes.search(code):
+                    offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
+    assert not offenders, "backend knowledge belongs in backends/:\n" + "\n".join(offenders)
+
+
+def test_the_checker_sees_a_circle_and_a_long_file(tmp_path):
+    """The checks above can fail: fed a circle, the import reader reports both edges."""
+    a = tmp_path / "a.py"
+    a.write_text("from .b import x\n")
+    assert imports(a, "parallelx/a.py")[0] == {"b"}
+    f = tmp_path / "f.py"
+    f.write_text("def g():\n    from .sampler import ShardedSampler\n")
+    assert imports(f, "parallelx/f.py")[1] == ["parallelx.sampler"]
