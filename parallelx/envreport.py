@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .registry import available_backends, backend_class
+from .environments import detect_environment
+from .registry import available_backends, backend_class, detect_backend
 from .runner import unavailable
 
 
@@ -95,6 +96,12 @@ def main() -> int:
     print(f"cuda        {'available, ' + str(torch.cuda.device_count()) + ' device(s)' if cuda else 'not available'}")
     print(f"nccl        {'yes' if cuda and torch.distributed.is_nccl_available() else 'no'}; "
           f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
+    env = detect_environment()
+    world = env.world()
+    print(f"\ncluster environment: {env.name} ({env.why()}); --backend auto picks {detect_backend()}")
+    print(f"  this process: rank {world.rank} of {world.world_size}, local rank {world.local_rank} of "
+          f"{world.local_world_size}" + (f", rendezvous {world.master_addr}:{world.master_port}"
+                                          if world.master_addr else ""))
     print("\nbackends:")
     for name, ok, detail, launch in report():
         print(f"  [{'OK' if ok else '--'}] {name:<10} {detail}")
