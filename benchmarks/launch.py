@@ -1,7 +1,6 @@
-"""Starting one benchmark launch through :mod:`parallelx.runner`: the command
-line from its backend's :class:`~parallelx.launch.Launcher` (or the peer
-framework's), the environment every launch shares, and a check that it
-wrote its results."""
+"""One benchmark launch through :mod:`parallelx.runner`: the command line from
+its backend's :class:`~parallelx.launch.Launcher` (or the peer framework's),
+the environment every launch shares, and a check that it wrote its results."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Peer:
-    """A framework compared with parallelx that is not a parallelx backend:
-    the part of a backend class's interface that launching needs."""
+    """A framework compared with parallelx that is not its backend: what launching reads of a backend class."""
 
     requires_module: str
     launcher: Launcher

@@ -1,13 +1,10 @@
 """Dogs-vs-Cats input-pipeline throughput: the images/s one DataLoader worker
-delivers (JPEG decode, resize, flip, normalise), to hold against the images/s
-the model consumes per process.
+delivers (decode, resize, flip, normalise), against what the model consumes.
 
-    python -m benchmarks.loader_bench --data-dir data/dogcat --image-size 64 --out loader.json
     python -m benchmarks.loader_bench --make 100 --data-dir /tmp/dogcat --image-size 64 --out loader.json
 
-``--make N`` first writes N generated JPEGs per class (``recipes.make_data``),
-64 to 320 pixels wide: smaller than Kaggle's photos (about 350 x 500), so a
-real data set decodes somewhat slower per image.
+``--make N`` first writes N generated JPEGs per class, smaller than Kaggle's
+photos (64-320 against about 350 x 500 px): real ones decode somewhat slower.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """What the training-loop options buy: Dogs-vs-Cats VGG16 through parallelx's
 loop, 2 processes with and without ``--accumulate`` and ``--grad-compression``,
-against 1 process with all the cores, measured side by side in one run.
+against 1 process with all the cores, side by side in one run.
 
     python -m benchmarks.loops                       # 6 configurations x 6 rounds: 24 min on 2 busy CPU cores
-    python -m benchmarks.loops --only single,ddp,ddp-fp16,horovod-acc4,deepspeed-acc4
     python -m benchmarks.loops --smoke --out-dir /tmp/loops   # runs, measures nothing
 
-VGG16's 138 M parameters make a 553 MB gradient all-reduce per step; on a few
-CPU cores that costs about as much as the compute, so 2 DDP processes can
-train slower than 1 process using both cores.  Each configuration is one
-launch of ``benchmarks.px_worker --loop`` under its backend's launcher with
-parallelx's own flags; the launches rotate every round (A B C, B C A, ...) so
-that a slow spell of the machine hits each alike.  Every process takes
-``--batch`` images per micro-batch; the 1-process runs take the N processes'
-global micro-batch, so every configuration does the same work per
-micro-batch and images/s compare directly.
-
-Writes ``results.md`` and ``summary.json`` to ``--out-dir`` (default
-``benchmarks/results/loops/``) and every window time to ``--raw`` (not committed).
+Each configuration is one launch of ``benchmarks.px_worker --loop`` under its
+backend's launcher, with parallelx's own flags, the launches rotating every
+round; the 1-process runs take the N processes' global micro-batch, so that
+images/s compare directly.  Writes ``results.md`` and ``summary.json`` to
+``--out-dir`` and every window time to ``--raw`` (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -2,25 +2,13 @@
 
     python -m parallelx launch ddp -n 2 -- -m benchmarks.plain --framework ddp --plan plan.json
 
-``benchmarks.run`` starts it under the launcher of the backend it stands
-beside (Accelerate under ``accelerate launch``).  Per framework, ``init``
-is its start-up and ``prepare`` its set-up of model and optimizer as a
-training step, written as its documentation shows them:
-
-- **ddp**: ``init_process_group`` + ``DistributedDataParallel``, PyTorch's DDP tutorial;
-- **horovod**: ``hvd.init``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
-  ``DistributedOptimizer``, Horovod's PyTorch guide (the learning rate is *not*
-  scaled by ``hvd.size()``, so that the math is DDP's);
-- **deepspeed**: ``deepspeed.initialize`` + ``engine.backward`` / ``engine.step``,
-  DeepSpeed's Getting Started (ZeRO 0, fp32; gradient clipping off, see below);
-- **accelerate**: ``Accelerator().prepare`` + ``accelerator.backward``, its quick tour.
-  Without GPUs the worker asks for the CPU (``Accelerator(cpu=True)``) while the
-  launch says ``--multi_gpu``: Accelerate 1.x's ``--cpu --num_processes 2``
-  starts one process unless given an MPI hostfile.
-
-Model, optimizer, data, seeds and timing come from ``benchmarks.workload``, so
-that the work equals ``px_worker``'s.  ``same_process`` calls the ``prepare``
-functions in processes that parallelx has initialised.
+Per framework, ``init`` is its start-up and ``prepare`` its set-up of model and
+optimizer as a training step, as its guide writes them (benchmarks/README.md
+names the guides and the two deliberate departures: Horovod's learning rate
+is not scaled by the world size, DeepSpeed's default clipping is off, so that
+every implementation does DDP's math).  Model, data, seeds and timing come
+from ``benchmarks.workload``; ``same_process`` calls the ``prepare`` functions
+in processes that parallelx has initialised.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ from pathlib import Path
 from benchmarks.workload import BenchError, Case, cpu_cores
 
 FAMILIES = ("ddp", "horovod", "deepspeed")
-#: PyTorch's own: measured at every batch size, the baseline of Accelerate and
-#: of the 1-process scaling runs.
+#: PyTorch's own: measured at every batch size, the baseline of Accelerate and of the 1-process scaling runs.
 REFERENCE = FAMILIES[0]
 TITLES = {"ddp": "DDP", "horovod": "Horovod", "deepspeed": "DeepSpeed", "accelerate": "Accelerate"}
 PARTS = (*FAMILIES, "accelerate", "scaling", "same-process", "loader")
@@ -32,10 +31,9 @@ class Impl:
     paired: bool = False  # runs the plain and the parallelx step itself (benchmarks.same_process)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class LoopConfig:
-    """One configuration of ``benchmarks.loops``: a backend with training-loop
-    options (parallelx's command-line flags), through ``benchmarks.px_worker --loop``."""
+    """One configuration of ``benchmarks.loops``: a backend with parallelx's loop options (its own flags)."""
 
     name: str
     backend: str
@@ -46,31 +44,27 @@ class LoopConfig:
 
 #: Micro-batches per optimizer step in the accumulating configurations.
 LOOP_ACCUMULATE = 4
-_ACC = ("--accumulate", str(LOOP_ACCUMULATE))
-#: benchmarks.loops: the baseline first (one process with all the cores), then
-#: plain DDP and each option alone and together.  The last three are optional.
-LOOPS = (
-    LoopConfig(name="single", backend="single", options=(), label="1 process (all cores)",
-               buys="the baseline: no communication, both cores in one process's torch threads"),
-    LoopConfig(name="single-acc4", backend="single", options=_ACC, label=f"1 process, accumulate {LOOP_ACCUMULATE}",
-               buys="one optimizer step per 4 micro-batches (the only saving accumulation gives one process)"),
-    LoopConfig(name="ddp", backend="ddp", options=(), label="DDP", buys="one gradient all-reduce per micro-batch"),
-    LoopConfig(name="ddp-acc4", backend="ddp", options=_ACC, label=f"DDP, accumulate {LOOP_ACCUMULATE}",
-               buys="one all-reduce (and one optimizer step) per 4 micro-batches: DDP's no_sync inside the window"),
-    LoopConfig(name="ddp-bf16", backend="ddp", options=("--grad-compression", "bf16"), label="DDP, bf16 gradients",
-               buys="half the bytes on the wire (bfloat16 comm hook), for two casts per step"),
-    LoopConfig(name="ddp-acc4-bf16", backend="ddp", options=(*_ACC, "--grad-compression", "bf16"),
-               label=f"DDP, accumulate {LOOP_ACCUMULATE} + bf16",
-               buys="both: a quarter of the all-reduces, each half as large"),
-    LoopConfig(name="ddp-fp16", backend="ddp", options=("--grad-compression", "fp16"), label="DDP, fp16 gradients",
-               buys="half the bytes on the wire (float16 comm hook)"),
-    LoopConfig(name="horovod-acc4", backend="horovod", options=_ACC, label=f"Horovod, accumulate {LOOP_ACCUMULATE}",
-               buys="Horovod's backward_passes_per_step: one allreduce per window"),
-    LoopConfig(name="deepspeed-acc4", backend="deepspeed", options=(*_ACC, "--zero-stage", "0"),
-               label=f"DeepSpeed ZeRO 0, accumulate {LOOP_ACCUMULATE}",
-               buys="DeepSpeed's gradient_accumulation_steps: one allreduce per window"),
-)
-#: What ``python -m benchmarks.loops`` runs unless told otherwise.
+_ACC, _BF16 = ("--accumulate", str(LOOP_ACCUMULATE)), ("--grad-compression", "bf16")
+#: benchmarks.loops: the baseline first (one process with all the cores), then plain DDP and each
+#: option alone and together; the last three only when asked for.
+LOOPS = tuple(LoopConfig(*row) for row in (
+    ("single", "single", (), "1 process (all cores)",
+     "the baseline: no communication, both cores in one process's torch threads"),
+    ("single-acc4", "single", _ACC, "1 process, accumulate 4",
+     "one optimizer step per 4 micro-batches (the only saving accumulation gives one process)"),
+    ("ddp", "ddp", (), "DDP", "one gradient all-reduce per micro-batch"),
+    ("ddp-acc4", "ddp", _ACC, "DDP, accumulate 4",
+     "one all-reduce (and one optimizer step) per 4 micro-batches: DDP's no_sync inside the window"),
+    ("ddp-bf16", "ddp", _BF16, "DDP, bf16 gradients",
+     "half the bytes on the wire (bfloat16 comm hook), for two casts per step"),
+    ("ddp-acc4-bf16", "ddp", (*_ACC, *_BF16), "DDP, accumulate 4 + bf16",
+     "both: a quarter of the all-reduces, each half as large"),
+    ("ddp-fp16", "ddp", ("--grad-compression", "fp16"), "DDP, fp16 gradients",
+     "half the bytes on the wire (float16 comm hook)"),
+    ("horovod-acc4", "horovod", _ACC, "Horovod, accumulate 4",
+     "Horovod's backward_passes_per_step: one allreduce per window"),
+    ("deepspeed-acc4", "deepspeed", (*_ACC, "--zero-stage", "0"), "DeepSpeed ZeRO 0, accumulate 4",
+     "DeepSpeed's gradient_accumulation_steps: one allreduce per window")))
 LOOPS_DEFAULT = ("single", "single-acc4", "ddp", "ddp-acc4", "ddp-bf16", "ddp-acc4-bf16")
 
 
@@ -122,8 +116,7 @@ PRESETS: dict[str, Preset] = {
     "smoke": Preset(lenet_batches=(32,), lenet_batch=32, lenet_warmup=1, lenet_steps=3, vgg_batch=2,
                     vgg_warmup=0, vgg_steps=1, image_size=32, repeats=1, vgg_repeats=1, scaling_all=False,
                     loader_per_class=16, loader_batches=3, same_blocks=2, same_steps=2, timeout_s=240),
-    # A 2-core CPU machine in under 5 minutes: VGG16 (138 M parameters) is
-    # measured for a few steps in the first round only.
+    # A 2-core CPU machine in under 5 minutes: VGG16 (138 M parameters) for a few steps in the first round.
     "quick": Preset(lenet_batches=(64, 128, 256), lenet_batch=256, lenet_warmup=3, lenet_steps=30, vgg_batch=4,
                     vgg_warmup=1, vgg_steps=2, image_size=64, repeats=2, vgg_repeats=1, scaling_all=False,
                     loader_per_class=64, loader_batches=16, same_blocks=10, same_steps=8, timeout_s=240),
@@ -173,8 +166,7 @@ def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cores = cpu_cores()
-    n = nproc or (gpus if gpus >= 1 else 2)
+    cores, n = cpu_cores(), nproc or (gpus if gpus >= 1 else 2)
     if gpus and n > gpus:
         raise BenchError(f"--nproc {n} is more than the {gpus} visible GPUs; use --nproc {gpus} or fewer")
     if n < 1:
@@ -188,11 +180,6 @@ def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
 def lenet(batch: int, p: Preset, save: bool, threads: int | None = None) -> Case:
     return Case(model="lenet", batch=batch, image_size=32, warmup=p.lenet_warmup, steps=p.lenet_steps, lr=0.01,
                 save_weights=save, threads=threads)
-
-
-def vgg(p: Preset, save: bool, threads: int | None = None) -> Case:
-    return Case(model="vgg16", batch=p.vgg_batch, image_size=p.image_size, warmup=p.vgg_warmup, steps=p.vgg_steps,
-                lr=0.001, save_weights=save, threads=threads)
 
 
 def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: bool = False,
@@ -219,15 +206,15 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, c
 
     def cases(family: str, save: bool, with_vgg: bool, one_process: bool = False) -> list[Case]:
         batches = {*p.lenet_batches, p.lenet_batch} if family == REFERENCE or p.scaling_all else {p.lenet_batch}
-        # A 1-process run measures two baselines in one launch: all the
-        # cores' threads (same hardware as N processes), and the threads
-        # each of the N processes gets (same per-process resources).
+        # A 1-process run measures two baselines in one launch: all the cores' threads (same hardware
+        # as N processes), and the threads each of the N processes gets (same per-process resources).
         variants: list[int | None] = [None]
         if one_process and machine.threads_n != machine.threads_1:
             variants.append(machine.threads_n)
         out = [lenet(b, p, save, t) for b in sorted(batches) for t in variants] if "lenet" in models else []
         if with_vgg and (not one_process or p.scaling_all):
-            out += [vgg(p, save, t) for t in variants]
+            out += [Case(model="vgg16", batch=p.vgg_batch, image_size=p.image_size, warmup=p.vgg_warmup,
+                         steps=p.vgg_steps, lr=0.001, save_weights=save, threads=t) for t in variants]
         return out
 
     jobs: list[Job] = []

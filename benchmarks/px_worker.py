@@ -1,26 +1,15 @@
 """The benchmark workload through parallelx: one script for every backend.
 
-    python -m parallelx launch horovod -n 2 -- -m benchmarks.px_worker --plan plan.json --backend horovod
-    python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan plan.json --backend ddp --loop --accumulate 4
+    python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan P --backend ddp [--loop --accumulate 4]
 
-By default it times the step parallelx documents, ``backend.backward(loss);
-optimizer.step(); optimizer.zero_grad()``, against ``benchmarks.plain``'s.
-``--loop`` (``benchmarks.loops``) runs the loop a training script writes with
-parallelx's loop options (its own flags, ``parallelx.add_arguments``)::
-
-    for x, y in backend.batches(loader):
-        with backend.autocast():
-            loss = criterion(model(x), y)
-        backend.backward(loss)
-        backend.step(optimizer)
-
-so that ``--accumulate`` really keeps the gradients local inside a window and
-``--grad-compression`` really puts them on the wire in low precision.  There
-a case's ``warmup`` micro-batches run first as one short window (which ends
-in a full all-reduce and optimizer step: DDP's first-iteration set-up), then
-``steps`` micro-batches, whole windows, are timed window by window;
-``step_times_s`` holds each window's time divided by its micro-batches, so
-that images/s is processes x batch / step time in every configuration.
+By default it times the step parallelx documents (``backend.backward(loss);
+optimizer.step(); optimizer.zero_grad()``) against ``benchmarks.plain``'s.
+``--loop`` (``benchmarks.loops``) runs the loop a script writes with the loop
+options, ``backend.batches`` / ``autocast`` / ``backward`` / ``step``, so that
+``--accumulate`` really keeps gradients local inside a window and
+``--grad-compression`` really puts them on the wire in low precision; its
+``step_times_s`` are window times over their micro-batches, so that images/s
+is processes x batch / step time in every configuration.
 """
 
 from __future__ import annotations

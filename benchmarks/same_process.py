@@ -1,18 +1,14 @@
 """The plain training step and parallelx's, side by side in the same processes.
 
-    python -m parallelx launch deepspeed -n 2 -- -m benchmarks.same_process --plan plan.json --blocks 10
+    python -m parallelx launch deepspeed -n 2 -- -m benchmarks.same_process --backend deepspeed --plan plan.json
 
-Separate launches of the plain script and of parallelx differ by 5-20 % from
-one launch to the next on a shared machine, far more than the 2 % in
-question.  Here one launch builds both the plain step (``benchmarks.plain``'s
-``prepare``) and parallelx's (``px_worker.prepare``) on two copies of the same
-initial model, then alternates blocks of timed steps (plain then parallelx,
-parallelx then plain, ...), so that both meet the same process, threads and
-moment of the machine.  Both see the same batches in the same order, so
-their final weights must also agree.  The process group is parallelx's; the
-frameworks' own initialisation (``hvd.init()``, ``deepspeed.init_distributed()``)
-finds it done.  Set-up and launch costs are in ``benchmarks.run``'s
-separate-launch comparison.
+Separate launches differ by 5-20 % from one to the next on a shared machine,
+far more than the 2 % in question.  One launch here builds both steps on two
+copies of the same initial model and alternates blocks of timed steps (plain
+then parallelx, parallelx then plain, ...), so that both meet the same
+process, threads and moment; on the same batches their final weights must
+agree too.  The process group is parallelx's; the frameworks' own
+initialisation finds it done.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The workload every benchmark worker runs, shared so that the work is
-identical: the plan (cases to run), the model, the optimizer, the synthetic
-batches, the step timer and the per-rank result files.
-
-Nothing here is distributed: each worker (``px_worker`` through parallelx,
-``plain`` through each framework directly) owns its process group, its
-wrapping and its training step, so a difference between two workers' step
-times is the difference between their training paths.  A worker takes
-``--plan plan.json``, which ``benchmarks.run`` writes for every launch
-(``--work-dir DIR --keep-work`` keeps them in ``DIR/plans``)::
+"""What every benchmark worker shares, so that the work is identical: the plan
+(cases to run), model, optimizer, synthetic batches, step timer and result
+files.  Nothing here is distributed: each worker owns its process group,
+wrapping and step, so two workers' step times differ by their training paths
+alone.  ``benchmarks.run`` writes a plan per launch (``--keep-work`` keeps them)::
 
     python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan DIR/plans/px-ddp-n2-r0.json
 """
@@ -118,12 +113,9 @@ def cpu_cores() -> int:
 
 
 def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) -> list[int] | None:
-    """Set torch's intra-op threads to the plan's (or the case's) count: the
-    launcher exported OMP_NUM_THREADS, but frameworks treat it differently.
-    With ``plan.bind_cores`` also pin local rank r to the r-th block of t
-    cores: unpinned, the ranks' and the communication threads migrate, and
-    each lockstep all-reduce waits for whichever rank was slowed most.
-    Returns the cores bound to, or None when they are left to the OS."""
+    """Set torch's threads to the plan's (or the case's) count: frameworks treat OMP_NUM_THREADS differently.
+    With ``plan.bind_cores``, pin local rank r to the r-th block of t cores (unpinned, threads migrate and
+    each lockstep all-reduce waits for the rank slowed most); returns those cores, None when unpinned."""
     threads = case.threads if case is not None and case.threads else plan.threads
     torch.set_num_threads(threads)
     if not plan.bind_cores or _STARTED_ON is None:
@@ -153,9 +145,8 @@ def make_optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
 
 
 def synthetic_batches(case: Case, rank: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``POOL`` batches for ``rank``, already on ``device``, so that the step
-    time is the training step alone (``loader_bench`` measures the input
-    pipeline); a private generator leaves torch's global random state alone."""
+    """``POOL`` batches for ``rank`` already on ``device``: the step time is the step alone (``loader_bench``
+    measures the input pipeline); a private generator leaves torch's global random state alone."""
     out = []
     for i in range(POOL):
         g = torch.Generator().manual_seed(case.seed * 1_000_003 + i * 1009 + rank)
@@ -176,9 +167,7 @@ def synchronize(device: torch.device) -> None:
 
 def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                 times: list[float], first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``warmup + steps`` batches, cycling from index ``first``; the time
-    of each loop body (one training step, synchronised on GPUs) goes to
-    ``times`` for the timed steps."""
+    """Yield ``warmup + steps`` batches from index ``first`` on; each timed loop body's time goes to ``times``."""
     for i in range(case.warmup + case.steps):
         start = time.perf_counter()
         yield batches[(first + i) % len(batches)]
@@ -189,8 +178,7 @@ def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], de
 
 def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> Step:
-    """The training step as PyTorch's DDP tutorial, Horovod's guide and
-    Accelerate's quick tour write it (Accelerate with its own ``backward``)."""
+    """The step as PyTorch's DDP tutorial, Horovod's guide and Accelerate's quick tour (its ``backward``) write it."""
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
@@ -232,11 +220,8 @@ def rank_report(plan: Plan, case: Case, rank: int, world_size: int, device: torc
 def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, local_rank: int,
              world_size: int, device: torch.device,
              state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
-    """Measure every case of ``plan`` in this process.  ``prepare(case)``
-    builds the worker's own training step and model; threads, data, seeds,
-    timing and result files are the same for every worker.  The final weights
-    come from ``state_dict(model)`` (default: the model's own), which every
-    rank calls: on sharding backends it is a collective."""
+    """Measure every case of ``plan``: ``prepare(case)`` builds the worker's own step and model, the rest is
+    the same for every worker.  Every rank calls ``state_dict(model)`` (on sharding backends a collective)."""
     check_world_size(plan, world_size)
     Path(plan.out).mkdir(parents=True, exist_ok=True)
     for case in plan.cases:

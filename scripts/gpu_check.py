@@ -1,9 +1,6 @@
-"""The GPU check's command: its options, and the order in which the sections
-of the ``gpu_check`` package beside this file run (its docstring says what
-it checks)::
+"""The GPU check's command (``gpu_check/`` beside it is the check): its options and the order of its sections.
 
-    bash scripts/gpu_check.sh                                              # on the GPU machine
-    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-report  # here, on the CPU
+    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu-report   # here; on the GPU: gpu_check.sh
 
 It also starts the check's own helper processes (``--worker sync``, ``--build-horovod``).
 """
