@@ -114,7 +114,8 @@ class _Owner(ClusterEnvironment):
 
 def test_a_process_group_made_by_the_environment_is_adopted_and_left_to_it(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)  # ddp's world of one sets them; restored afterwards
+        monkeypatch.setenv(key, "unset")  # ddp's world of one sets them: restored afterwards
+        monkeypatch.delenv(key)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with parallelx.get_backend("ddp", environment=_Owner({}, ["t.py"])) as backend:
