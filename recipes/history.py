@@ -1,0 +1,87 @@
+"""What a recipe run leaves in its ``--out-dir`` besides the weights: the
+per-epoch history (``history.csv``), the final figures (``metrics.json``) and
+their plot (``training_results.png``).  Written by the main rank only."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from parallelx import Backend
+
+from .config import FitConfig
+
+
+def epoch_row(epoch: int, train: dict[str, Any], val: dict[str, Any]) -> dict[str, float]:
+    """One line of ``history.csv``, from the two passes' results (``run_epoch``)."""
+    return {
+        "epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"], "val_loss": val["loss"],
+        "val_acc": val["acc"], "epoch_time_s": train["seconds"] + val["seconds"],
+        "train_images_per_s": train["count"] / train["seconds"], "val_images_per_s": val["count"] / val["seconds"],
+        "lr": train["lr"], "grad_norm": train["grad_norm"], "optimizer_steps": train["steps"],
+        "skipped_steps": train["skipped"],
+    }
+
+
+def final_metrics(backend: Backend, cfg: FitConfig, history: list[dict[str, float]], *, best_acc: float,
+                  best_epoch: int, total_s: float, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What ``metrics.json`` holds (and ``fit`` returns): best and final val
+    figures, time, backend, world size, the configuration and loop options."""
+    return {
+        "best_val_acc": best_acc, "best_epoch": best_epoch,
+        "final_val_loss": history[-1]["val_loss"], "final_val_acc": history[-1]["val_acc"],
+        "total_time_s": total_s, "backend": backend.name, "world_size": backend.world_size,
+        "train_images_per_s": sum(h["train_images_per_s"] for h in history) / len(history),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "loop": asdict(backend.options),
+        **(run_info or {}),
+    }
+
+
+def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
+    """``metrics.json``, ``history.csv`` and ``training_results.png`` (main rank only)."""
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_history(out, history)
+    plot(out / "training_results.png", history)
+
+
+def write_history(out: Path, history: list[dict[str, float]]) -> None:
+    import pandas as pd
+
+    tmp = out / "history.csv.tmp"
+    pd.DataFrame(history).to_csv(tmp, index=False)
+    os.replace(tmp, out / "history.csv")
+
+
+def plot(path: Path, history: list[dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_acc, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
+    ax_lr.plot(epochs, [h["lr"] for h in history], "o-", color="tab:green", label="lr (end of epoch)")
+    ax_lr.set_xlabel("epoch")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title("learning rate and gradient norm")
+    ax_norm = ax_lr.twinx()
+    ax_norm.plot(epochs, [h["grad_norm"] for h in history], "s--", color="tab:red", label="grad norm (mean)")
+    ax_norm.set_ylabel("gradient norm before clipping")
+    ax_lr.legend(loc="upper left")
+    ax_norm.legend(loc="upper right")
+    ax_lr.xaxis.get_major_locator().set_params(integer=True)
+    for ax, key in ((ax_acc, "acc"), (ax_loss, "loss")):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], "o-", label="train")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], "o-", label="val")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(key)
+        ax.set_title(f"{key}: train vs val")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
