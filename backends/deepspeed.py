@@ -271,10 +271,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("deepspeed")
+        # The helps say what None means; they end in parallelx.cli.NONE_IN_WORDS (a
+        # "%(default).0s" that renders as nothing) so that no formatter adds "(default: None)".
         group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
-                           help="ZeRO stage (default: the config file's, else 0)")
+                           help="ZeRO stage (default: the config file's, else 0)%(default).0s")
         group.add_argument("--deepspeed-config", default=None, metavar="JSON",
-                           help="a DeepSpeed config file; explicit options override it")
+                           help="a DeepSpeed config file; explicit options override it (default: none, the "
+                                "options alone)%(default).0s")
         # The deepspeed launcher appends --local_rank=N to the script's argv.
         group.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 

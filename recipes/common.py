@@ -29,6 +29,19 @@ SEED_MAX = 2**32 - 1
 LR_SCHEDULES = ("constant", "cosine", "step")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default once: appended to its help, except where
+    the help states it itself (``%(default)s``, or in words for a default of
+    None, with nothing appended) and for flags (whose default is False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if ("%(default)" in help or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or action.required or not action.option_strings):
+            return help
+        return f"{help} (default: %(default)s)"
+
+
 class RecipeParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``error: ...``, exit
     status 2, like every other input error of the recipes (argparse's own
@@ -106,18 +119,18 @@ def fraction(text: str) -> float:
 
 # ---------------------------------------------------------------------- parser
 def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> RecipeParser:
-    p = RecipeParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = RecipeParser(prog=prog, description=description, formatter_class=HelpFormatter)
     parallelx.add_arguments(p)
     p.add_argument("--data-dir", type=Path, required=True, help="where the dataset is (see --help of each recipe)")
-    p.add_argument("--epochs", type=positive_int, default=epochs)
+    p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=batch_size, help="images per process per step")
     p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
-    p.add_argument("--momentum", type=momentum, default=0.9)
+    p.add_argument("--momentum", type=momentum, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
     p.add_argument("--num-workers", type=non_negative_int, default=None,
                    help="data-loader workers per process (default: this process's share of the cores, minus one)")
     p.add_argument("--max-steps", type=positive_int, default=None,
-                   help="cap on micro-batches per epoch and process (quick runs)")
+                   help="cap on micro-batches per epoch and process, for quick runs (default: the whole epoch)")
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                    help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
                         "50%% and 75%% of the steps)")
@@ -126,11 +139,13 @@ def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
                    help="write a training-state checkpoint into OUT_DIR/checkpoints every STEPS optimizer steps "
-                        "(and at every epoch's end); turns on SIGTERM handling: save at the next step, then stop")
+                        "(and at every epoch's end); turns on SIGTERM handling: save at the next step, then stop "
+                        "(default: no checkpoints, unless --resume is given)")
     p.add_argument("--resume", default=None, metavar="{auto,PATH}",
                    help="continue from a checkpoint: auto = the latest in --out-dir, or a fresh start when there is "
                         "none (use it in launch lines, so that a restarted job resumes by itself); PATH = that "
-                        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling")
+                        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling "
+                        "(default: start afresh)")
     p.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K",
                    help="how many of the newest checkpoints to keep")
     return p

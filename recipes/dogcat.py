@@ -61,10 +61,12 @@ def image_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = base_parser(f"python -m {__package__}.dogcat", "Dogs-vs-Cats with VGG16", epochs=3, batch_size=16,
                          lr=0.001)
-    parser.add_argument("--image-size", type=image_size, default=224,
+    parser.add_argument("--image-size", type=image_size, default=224, metavar="SIZE",
                         help=f"images are resized to SIZE x SIZE, {VGG16_MIN_IMAGE_SIZE} to {VGG16_MAX_IMAGE_SIZE}")
     parser.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    parser.add_argument("--weights", type=Path, default=None, help="start from a local VGG16 state dict")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="start from a local VGG16 state dict (default: torchvision's random initialisation, "
+                             "unless --pretrained)")
     parser.add_argument("--freeze-features", action="store_true", help="train the classifier only")
     parser.add_argument("--val-fraction", type=fraction, default=0.2, help="share of the images that validates")
     return parser
