@@ -43,13 +43,13 @@ class Finished:
 
     command: list[str]
     returncode: int  # negative: ended by that signal (at a timeout, SIGKILL's)
-    output: str  # stdout and stderr together, in order
+    output: str  # stdout and stderr together, in order; "\r" (a progress bar's redraw) read as a line end
     seconds: float
     timed_out: bool  # it ran past its timeout and its process group was killed
 
     def tail(self, n: int = 60) -> str:
-        """The last ``n`` lines; a tqdm bar's carriage returns keep only its last state."""
-        return "\n".join(line.rsplit("\r", 1)[-1] for line in self.output.splitlines()[-n:])
+        """The last ``n`` lines: where a failed job says why."""
+        return "\n".join(self.output.splitlines()[-n:])
 
     def error(self) -> str | None:
         """None when the job succeeded, else how it failed, in words."""
@@ -120,6 +120,7 @@ def run(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | N
             out.flush()
         else:
             out = tempfile.TemporaryFile("w+", errors="replace")
+        begin = out.tell()  # where the job's own output starts
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
                                 stdout=out, stderr=subprocess.STDOUT if out is not None else None,
@@ -136,10 +137,8 @@ def run(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | N
             raise
         text = ""
         if out is not None:
-            out.seek(0)
+            out.seek(begin)
             text = out.read()
-            if log is not None:
-                text = text.split("\n", 1)[-1]  # without the "$ cmd" line
         return Finished(cmd, proc.returncode, text, time.monotonic() - start, timed_out)
     finally:
         if out is not None:
