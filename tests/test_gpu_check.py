@@ -176,16 +176,18 @@ def test_synchronisations_per_step_verdict():
     assert item("deepspeed", reports(1.1, 1.0)).status == "passed"
 
 
-def test_precisions_follow_what_parallelx_offers():
-    """The check measures every precision parallelx offers: bf16-mixed is
-    passed to the benchmark; an option parallelx lacks is reported as missing."""
+def test_precisions_are_options_parallelx_offers():
+    """The check measures bf16-mixed, and passes each precision as parallelx's own ``--precision``."""
+    import argparse
+
+    import parallelx
+
     precisions = load_script("gpu_check.check").PRECISIONS
-    throughput = load_script("gpu_check.sections")
-    assert precisions["fp32"] == ()
-    assert (precisions["bf16-mixed"] is None) == (not throughput.parallelx_offers("bf16-mixed"))
-    assert throughput.parallelx_offers("bf16-mixed") and precisions["bf16-mixed"] == ("--precision", "bf16-mixed")
-    assert not throughput.parallelx_offers("fp8-mixed")
-    assert "does not exist yet" in throughput.precision_missing_reason("fp8-mixed")
+    assert precisions["fp32"] == () and precisions["bf16-mixed"] == ("--precision", "bf16-mixed")
+    parser = parallelx.add_arguments(argparse.ArgumentParser(add_help=False))
+    for extra in (e for e in precisions.values() if e):
+        ns, rest = parser.parse_known_args(list(extra))
+        assert not rest and ns.precision == extra[1]
 
 
 def test_gpu_check_sh_parses():

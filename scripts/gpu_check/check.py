@@ -33,10 +33,8 @@ SECTIONS = ("install", "environment", "recipes", "throughput", "host-sync")
 BACKENDS = ("single", "dp", "ddp", "deepspeed", "horovod")
 #: The backend options each recipe run adds (DeepSpeed: ZeRO-2 shards gradients and optimizer state).
 BACKEND_ARGS: dict[str, tuple[str, ...]] = {"deepspeed": ("--zero-stage", "2")}
-#: Precisions the throughput section measures: the same-process worker's
-#: extra arguments for each, or None while parallelx has no such option (the
-#: report then says so).  Adding one once parallelx has it is one line.
-PRECISIONS: dict[str, tuple[str, ...] | None] = {"fp32": (), "bf16-mixed": ("--precision", "bf16-mixed")}
+#: Precisions the throughput section measures: the same-process worker's extra arguments for each.
+PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16-mixed": ("--precision", "bf16-mixed")}
 #: The parallelx step may synchronise with the host this many times per step
 #: more than the plain framework's: 0.1 is expected (the progress bar reads
 #: the loss every 10th step on the main rank); once per step would be 1.

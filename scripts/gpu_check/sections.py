@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import io
 import json
 import os
 import shutil
@@ -281,9 +280,6 @@ class GpuCheck(Check):
     def throughput(self) -> None:
         for precision, extra in PRECISIONS.items():
             name = f"VGG16 {CUDA.image_size} px, {CUDA.batch}/process, {precision}"
-            if extra is None:
-                self.skip("throughput", name, precision_missing_reason(precision), needs="cuda")
-                continue
             if not self.cuda:
                 self.skip("throughput", name, "CUDA only: VGG16 at 224 px is the GPU workload", needs="cuda")
                 name = (f"same-process harness on the CPU (LeNet, {self.settings.batch}/process, {precision}; "
@@ -383,27 +379,6 @@ def sync_item(backend: str, reports: Sequence[dict[str, Any]]) -> Item:
         detail += ": something in parallelx's step or loop waits for the GPU (.item(), .cpu(), bool() of a tensor)"
     return Item("host-sync", f"synchronisations per step on {backend}", PASSED if ok else FAILED, detail, figures,
                 needs="cuda")
-
-
-def precision_missing_reason(precision: str) -> str:
-    if parallelx_offers(precision):
-        return (f"parallelx now offers --precision {precision}, but this check does not pass it yet: "
-                f"set PRECISIONS[{precision!r}] in scripts/gpu_check/check.py")
-    return (f"the option does not exist yet: parallelx.add_arguments defines no --precision {precision}; "
-            "measured here once it does")
-
-
-def parallelx_offers(precision: str) -> bool:
-    """Whether parallelx's command line accepts ``--precision PRECISION``."""
-    import parallelx
-
-    parser = parallelx.add_arguments(argparse.ArgumentParser(add_help=False))
-    with contextlib.redirect_stderr(io.StringIO()):
-        try:
-            ns, rest = parser.parse_known_args(["--precision", precision])
-        except SystemExit:  # the option exists without that choice
-            return False
-    return not rest and getattr(ns, "precision", None) == precision
 
 
 def _launcher(backend: str) -> str:
