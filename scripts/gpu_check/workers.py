@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
@@ -115,9 +114,8 @@ def nccl_dirs() -> tuple[Path, Path] | None:
 
 
 def build_horovod(sdist: Path, wheel_dir: Path) -> int:
-    """Build Horovod from the carried sdist with NCCL operations: the patches
-    of ``scripts/build_horovod.py`` (C++20 for current torch), plus what the
-    GPU machine's CUDA 13 needs, and NCCL from torch's own wheel."""
+    """``scripts/build_horovod.py``'s build with NCCL operations (its ``build(gpu=True)``), offline from the
+    carried sdist, which gets first what the GPU machine's CUDA 13 needs; NCCL comes from torch's own wheel."""
     import torch
 
     import build_horovod as bh  # scripts/build_horovod.py: the entry script's folder is on sys.path
@@ -128,7 +126,6 @@ def build_horovod(sdist: Path, wheel_dir: Path) -> int:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp_path, filter="data")
         src = tmp_path / f"horovod-{bh.HOROVOD_VERSION}"
-        bh.patch_source(src, gpu=True)
         # CUDA 13's headers (CCCL) refuse anything below C++17; Horovod pins its CUDA kernels to C++11.
         bh.patch(src / "horovod/common/ops/cuda/CMakeLists.txt", "set(CMAKE_CUDA_STANDARD 11)",
                  "set(CMAKE_CUDA_STANDARD 17)")
@@ -136,14 +133,15 @@ def build_horovod(sdist: Path, wheel_dir: Path) -> int:
         # (containers) often lack; libcuda.so.1, its soname, is always there (torch loads it).
         bh.patch(src / "horovod/torch/cuda_util.cc", 'dlopen("libcuda.so", RTLD_LAZY)',
                  'dlopen("libcuda.so.1", RTLD_LAZY)')
-        env = dict(os.environ)
-        # As scripts/build_horovod.py builds it, with NCCL operations on top.
-        env.update(HOROVOD_WITH_PYTORCH="1", HOROVOD_WITH_GLOO="1", HOROVOD_WITHOUT_MPI="1",
-                   HOROVOD_WITHOUT_TENSORFLOW="1", HOROVOD_WITHOUT_MXNET="1", HOROVOD_GPU_OPERATIONS="NCCL",
-                   MAKEFLAGS=env.get("MAKEFLAGS", f"-j{max(2, (os.cpu_count() or 4) - 2)}"))
-        # The bundled gloo and flatbuffers ask for CMake 2.8.12, which CMake 4 refuses unless told
-        # the oldest policies it must emulate; older CMakes ignore this.
-        env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
+        links = tmp_path / "links"
+        links.mkdir()
+        with tarfile.open(links / sdist.name, "w:gz", compresslevel=1) as tar:
+            tar.add(src, arcname=src.name)
+        env = os.environ  # what bh.build passes on to pip and Horovod's build
+        # bh.build fetches the sdist with pip: from that folder, and with no isolated build environment to
+        # download setuptools into (pip reads PIP_NO_BUILD_ISOLATION=0 as --no-build-isolation).
+        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links), PIP_NO_BUILD_ISOLATION="0")
+        env.setdefault("MAKEFLAGS", f"-j{max(2, (os.cpu_count() or 4) - 2)}")
         # Only this GPU's architecture: Horovod otherwise builds every one nvcc knows (slow, and
         # CUDA 13 no longer knows some of Horovod's defaults).
         major, minor = torch.cuda.get_device_capability(0)
@@ -152,13 +150,12 @@ def build_horovod(sdist: Path, wheel_dir: Path) -> int:
             env.setdefault("HOROVOD_CUDA_HOME", str(Path(nvcc).resolve().parents[1]))
         if (nccl := nccl_dirs()) is not None:
             # torch's wheel ships libnccl.so.2 only: CMake's find_library wants libnccl.so.
-            links = tmp_path / "nccl-lib"
-            links.mkdir()
-            (links / "libnccl.so").symlink_to(sorted(nccl[1].glob("libnccl.so*"))[0])
-            env.update(HOROVOD_NCCL_INCLUDE=str(nccl[0]), HOROVOD_NCCL_LIB=str(links), HOROVOD_NCCL_LINK="SHARED")
+            (tmp_path / "nccl-lib").mkdir()
+            (tmp_path / "nccl-lib" / "libnccl.so").symlink_to(sorted(nccl[1].glob("libnccl.so*"))[0])
+            env.update(HOROVOD_NCCL_INCLUDE=str(nccl[0]), HOROVOD_NCCL_LIB=str(tmp_path / "nccl-lib"),
+                       HOROVOD_NCCL_LINK="SHARED")
         bh.log(f"building with CC list {env['HOROVOD_BUILD_CUDA_CC_LIST']}, CUDA at {env.get('HOROVOD_CUDA_HOME')}, "
                f"NCCL {nccl}")
-        bh.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-                str(src), "-w", str(wheel_dir)], env=env)
+        bh.build(wheel_dir, gpu=True)
     bh.log(f"built in {time.monotonic() - started:.0f}s")
     return 0
