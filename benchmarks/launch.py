@@ -5,20 +5,18 @@ the environment every launch shares, and a check that it wrote its results."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import parallelx
 from benchmarks.plan import IMPLS, Job, Machine
 from benchmarks.workload import Plan, result_path
 from parallelx import runner
-from parallelx.launch import PYTHON, Launcher
+from parallelx.launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,18 +95,6 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
     print(f"[bench] {job.tag}: {'ok' if job.error is None else 'FAILED'} in {job.seconds:.1f}s", flush=True)
     if job.error:
         print(job.error, file=sys.stderr, flush=True)
-
-
-def run_loader(work: Path, *, image_size: int, threads: int, batches: int, per_class: int, data_dir: Path | None,
-               timeout_s: float) -> dict[str, Any]:
-    """``benchmarks.loader_bench`` in one process: its report, or ``{"error": ...}``."""
-    out_file = work / "loader.json"
-    args = ["--image-size", str(image_size), "--out", str(out_file), "--threads", str(threads), "--batch", "16",
-            "--batches", str(batches), "--data-dir", str(data_dir or work / "dogcat")]
-    args += ["--make", str(per_class)] if data_dir is None else []
-    print("[bench] loader: " + " ".join(args), flush=True)
-    error = start(PYTHON, ["-m", "benchmarks.loader_bench", *args], 1, work / "logs" / "loader.log", threads, timeout_s)
-    return {"error": f"loader benchmark {error}"} if error else json.loads(out_file.read_text())
 
 
 def on_sigterm(signum: int, frame: object) -> None:

@@ -13,7 +13,7 @@ FAMILIES = ("ddp", "horovod", "deepspeed")
 #: PyTorch's own: measured at every batch size, the baseline of Accelerate and of the 1-process scaling runs.
 REFERENCE = FAMILIES[0]
 TITLES = {"ddp": "DDP", "horovod": "Horovod", "deepspeed": "DeepSpeed", "accelerate": "Accelerate"}
-PARTS = (*FAMILIES, "accelerate", "scaling", "same-process", "loader")
+PARTS = (*FAMILIES, "accelerate", "scaling", "same-process")
 #: (measured, baseline): what the overhead tables compare.
 PAIRS = ([(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", f"raw-{REFERENCE}")]
          + [(f"ctl-{f}", f"raw-{f}") for f in FAMILIES])
@@ -104,8 +104,6 @@ class Preset:
     repeats: int  # raw/px alternations (A B, B A, ...)
     vgg_repeats: int  # of which the first ones include VGG16
     scaling_all: bool  # 1-process runs of every backend and of VGG16, not only DDP's LeNet
-    loader_per_class: int  # generated Dogs-vs-Cats images per class
-    loader_batches: int  # timed loader batches (of 16 images) per worker setting
     same_blocks: int  # same-process part: alternating blocks of each implementation
     same_steps: int  # ... and timed LeNet steps per block (after 2 untimed)
     timeout_s: float  # per launch
@@ -115,16 +113,15 @@ PRESETS: dict[str, Preset] = {
     # Only checks that everything runs; its numbers mean nothing.
     "smoke": Preset(lenet_batches=(32,), lenet_batch=32, lenet_warmup=1, lenet_steps=3, vgg_batch=2,
                     vgg_warmup=0, vgg_steps=1, image_size=32, repeats=1, vgg_repeats=1, scaling_all=False,
-                    loader_per_class=16, loader_batches=3, same_blocks=2, same_steps=2, timeout_s=240),
+                    same_blocks=2, same_steps=2, timeout_s=240),
     # A 2-core CPU machine in under 5 minutes: VGG16 (138 M parameters) for a few steps in the first round.
     "quick": Preset(lenet_batches=(64, 128, 256), lenet_batch=256, lenet_warmup=3, lenet_steps=30, vgg_batch=4,
                     vgg_warmup=1, vgg_steps=2, image_size=64, repeats=2, vgg_repeats=1, scaling_all=False,
-                    loader_per_class=64, loader_batches=16, same_blocks=10, same_steps=8, timeout_s=240),
+                    same_blocks=10, same_steps=8, timeout_s=240),
     # Real hardware (GPUs: one process each, NCCL).
     "full": Preset(lenet_batches=(64, 128, 256, 512), lenet_batch=256, lenet_warmup=20, lenet_steps=200,
                    vgg_batch=32, vgg_warmup=5, vgg_steps=40, image_size=224, repeats=4, vgg_repeats=2,
-                   scaling_all=True, loader_per_class=500, loader_batches=100, same_blocks=20,
-                   same_steps=50, timeout_s=1800),
+                   scaling_all=True, same_blocks=20, same_steps=50, timeout_s=1800),
 }
 
 

@@ -141,23 +141,6 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{'-' if same is None else format(same['efficiency'], '.0%')} |")
         lines.append("")
 
-    loader = result.get("loader")
-    if loader:
-        lines += ["## Dogs-vs-Cats input pipeline against the model", ""]
-        if "error" in loader:
-            lines += [f"Not measured: {loader['error'].splitlines()[0]}", ""]
-        else:
-            src = "generated JPEGs (64-320 px)" if loader["generated"] else loader["data_dir"]
-            lines += [f"DataLoader over {loader['images']} {src} at {loader['image_size']} px, batch 16, "
-                      f"{loader['threads']} thread(s).", "", "| loader workers | images/s |", "|---:|---:|"]
-            lines += [f"| {r['workers']} | {_fmt(r['images_per_s'])} |" for r in loader["results"]]
-            if "loader_over_model" in loader:
-                need = max(x["images_per_s_per_process"] for x in loader["model"])
-                lines += ["", f"One VGG16 training process consumes at most {_fmt(need)} images/s at that size; one "
-                              f"loader worker delivers {loader['loader_over_model']:,.0f}x that: loading "
-                              f"{'**is**' if loader['bottleneck'] else '**is not**'} the bottleneck."]
-            lines.append("")
-
     if result["failures"]:
         lines += ["## Failures", ""]
         lines += [f"- `{f['job']}`: {(f['error'] or '').splitlines()[0]}" for f in result["failures"]]
@@ -173,7 +156,6 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers, without the per-step data."""
     meta, m = result["meta"], result["meta"]["machine"]
     hw = meta["hardware"]
-    loader = result.get("loader") or {}
     return {
         "command": meta["command"], "started": meta["started"], "wall_s": round(meta["wall_s"]),
         "env": {"hardware": f"{hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
@@ -191,9 +173,6 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                      **{f"speedup_{k}": _r(s[k]["speedup"]) for k in ("same_threads", "all_cores") if k in s},
                      "ci95_same_threads": [_r(x, 3) for x in (s.get("same_threads", {}).get("ci95") or [])] or None}
                     for s in result["scaling"]],
-        "loader": ({"error": loader["error"].splitlines()[0]} if "error" in loader else
-                   {"images_per_s_by_workers": {r["workers"]: _r(r["images_per_s"]) for r in loader["results"]},
-                    "loader_over_model": _r(loader.get("loader_over_model"))} if loader else None),
         "failures": [f"{f['job']}: {(f['error'] or '').splitlines()[0]}" for f in result["failures"]],
     }
 

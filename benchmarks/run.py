@@ -56,15 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(plan.PARTS),
                    help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)})")
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
-    p.add_argument("--image-size", type=int, default=None, help="VGG16 / loader image size (default: the mode's)")
+    p.add_argument("--image-size", type=int, default=None, help="VGG16 image size (default: the mode's)")
     p.add_argument("--repeats", type=positive_int, default=None, help="rounds of alternating launches")
     p.add_argument("--control", action="store_true",
                    help="also run each plain script a second time and compare it with itself: the noise floor")
     p.add_argument("--blocks", type=positive_int, default=None,
                    help="same-process part: alternating blocks of each implementation (default: the mode's)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed LeNet steps per launch")
-    p.add_argument("--dogcat-dir", type=Path, default=None,
-                   help="a real Dogs-vs-Cats folder for the loader benchmark (default: generated images)")
     add_common(p, out_dir=ROOT / "benchmarks" / "results", raw=ROOT / "runs" / "bench" / "results.json", timeout=None)
     args = p.parse_args(argv)
     args.parts, args.model_list = [x for x in args.only.split(",") if x], [x for x in args.models.split(",") if x]
@@ -141,29 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     # The same-process part needs each backend's package and launcher, whether or not its own part runs.
     same = tuple(f for f in plan.FAMILIES if launch.unavailable(f) is None) if "same-process" in parts else ()
     jobs = plan.schedule(preset, parts, args.model_list, machine, control=args.control, same_process=same)
-    loader: dict[str, Any] | None = None
     try:
         for job in jobs:
             launch.run_job(job, machine, work, preset.timeout_s)
         rows = stats.collect(jobs, work)
         comparisons = stats.overheads(rows, jobs, work) + stats.same_process_jobs(jobs, work)
-        if "loader" in parts:
-            loader = stats.loader_vs_model(
-                launch.run_loader(work, image_size=preset.image_size, threads=machine.threads_n,
-                                  batches=preset.loader_batches, per_class=preset.loader_per_class,
-                                  data_dir=args.dogcat_dir, timeout_s=preset.timeout_s), rows, machine.nproc)
     finally:
         if not args.keep_work:  # final weights are large (VGG16: 0.5 GB per run); logs are not
             for path in (work / "out").glob("*/*.weights.pt"):
                 path.unlink()
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
-    if loader and "error" in loader:
-        failures.append({"job": "loader", "error": loader["error"]})
     meta = session.finish(jobs, failures, mode=args.mode, preset=asdict(preset), parts=parts, control=args.control,
                           models=args.model_list, skipped=skipped, weight_tolerance=stats.WEIGHT_ATOL,
                           ratio_target=stats.RATIO_TARGET)
     result = {"meta": meta, "runs": rows, "comparisons": comparisons, "scaling": stats.scaling(rows),
-              "loader": loader, "failures": failures}
+              "failures": failures}
     paths = report.write_all(result, args.out_dir, args.raw)
     print(f"[bench] done in {meta['wall_s']:.0f}s: " + ", ".join(map(str, paths)), flush=True)
     bad = [c for c in comparisons if c["max_abs_weight_diff"] is not None and not c["weights_passed"]]

@@ -1,6 +1,6 @@
 """From the workers' per-rank result files to the numbers in the report:
 step times pooled over rounds, ratios with bootstrap intervals over rounds
-(or same-process blocks), final weights compared, scaling, loader headroom.
+(or same-process blocks), final weights compared, scaling.
 
 The ranks of a job advance in lockstep (each waits for the others in the
 gradient all-reduce, so their summed step times agree), which makes any
@@ -214,19 +214,4 @@ def scaling(rows: list[Row]) -> list[Row]:
                               "speedup": speedup, "efficiency": speedup / row["nproc"], "ci95": ci}
         if "all_cores" in entry or "same_threads" in entry:
             out.append(entry)
-    return out
-
-
-def loader_vs_model(loader: dict[str, Any], rows: list[Row], nproc: int) -> dict[str, Any]:
-    """The loader's images/s with one worker against what one VGG16 training process consumes."""
-    if "error" in loader:
-        return loader
-    model = [{"impl": r["impl"], "nproc": r["nproc"], "images_per_s": r["images_per_s"],
-              "images_per_s_per_process": r["images_per_s"] / r["nproc"]}
-             for r in rows if r["model"] == "vgg16" and r["image_size"] == loader["image_size"] and r["nproc"] == nproc]
-    per_worker = next((r["images_per_s"] for r in loader["results"] if r["workers"] == 1), None)
-    out = {**loader, "model": model}
-    if per_worker and model:
-        need = max(m["images_per_s_per_process"] for m in model)
-        out.update(loader_over_model=per_worker / need, bottleneck=per_worker < need)
     return out

@@ -145,8 +145,8 @@ def make_optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
 
 
 def synthetic_batches(case: Case, rank: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``POOL`` batches for ``rank`` already on ``device``: the step time is the step alone (``loader_bench``
-    measures the input pipeline); a private generator leaves torch's global random state alone."""
+    """``POOL`` batches for ``rank`` already on ``device``, so that the step time is the step alone; a
+    private generator leaves torch's global random state alone."""
     out = []
     for i in range(POOL):
         g = torch.Generator().manual_seed(case.seed * 1_000_003 + i * 1009 + rank)

@@ -110,7 +110,7 @@ def test_summary_is_compact_and_keeps_the_headline_numbers():
             "hardware": {"arch": "x86_64", "cpu": "cpu", "cores": 2, "memory_gib": 1.0, "gpus": []},
             "versions": {"torch": "2"}, "machine": {"nproc": 2, "threads_n": 1, "threads_1": 2, "comm": "gloo"}}
     text = report.compact_json(report.summary({"meta": meta, "runs": rows, "comparisons": [comparison],
-                                               "scaling": [], "loader": None, "failures": []}))
+                                               "scaling": [], "failures": []}))
     assert len(text.splitlines()) < 20
     (c,) = json.loads(text)["comparisons"]
     assert c["ratio"] == pytest.approx(1.01, abs=1e-3) and c["rounds"] == 6 and c["weights_equal"] is True
