@@ -1,4 +1,5 @@
-"""ZeRO 1-3 optimizer state in plain ``torch.optim`` layout, for the ``deepspeed`` backend.
+"""ZeRO 1-3 optimizer state in plain ``torch.optim`` layout, and ZeRO 1-3
+gradient clipping as torch computes it, for the ``deepspeed`` backend.
 
 Under ZeRO stages 1 to 3 each rank's base optimizer keeps state for its shard
 of flat fp32 master tensors only, and ZeRO steps those masters and copies them
@@ -10,6 +11,14 @@ masters when weights are loaded.  It goes through DeepSpeed's
 ``safe_get_full_*`` / ``safe_set_full_*``, which are collectives: every rank
 calls them in the same order.
 
+Clipping: between the window's last backward and the step, each rank of ZeRO
+1-3 holds its share of the averaged gradients (whole parameters, and slices
+of those that straddle two partitions; under ZeRO-3 a slice of every
+parameter).  :func:`reduced_gradients` lists them, :func:`global_grad_norm`
+takes their norm as ``torch.nn.utils.get_total_norm`` takes the whole
+gradient's on one process, and :func:`clip_` scales them in place as
+``torch.nn.utils.clip_grads_with_norm_`` does, before the step applies them.
+
 Not a backend (the leading underscore): the registry names its modules
 explicitly.  ``deepspeed`` is imported inside the functions only, as everywhere
 in ``backends/``.
@@ -17,7 +26,9 @@ in ``backends/``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,6 +150,118 @@ def scatter_indexed(zero: Any, stage: int, names: Mapping[int, str], state: Mapp
     """:func:`scatter_named` for a plain ``torch.optim`` state (positions, in group order)."""
     groups = [[names[id(p)] for p in params] for params in _groups(zero, stage)]
     scatter_named(zero, stage, names, named_from_indexed(state, groups))
+
+
+@dataclass(frozen=True)
+class GradSlice:
+    """This rank's share of one parameter's averaged gradient."""
+
+    param: nn.Parameter
+    #: The tensor the ZeRO step reads (the whole gradient, or this rank's slice of it).
+    grad: torch.Tensor
+    #: Where the slice starts in the flattened parameter.
+    offset: int
+
+    @property
+    def whole(self) -> bool:
+        return self.grad.numel() == full_numel(self.param)
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """A parameter's whole number of elements, also under ZeRO-3."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def reduced_gradients(zero: Any, stage: int) -> list[GradSlice]:
+    """This rank's share of the averaged gradients that ``zero`` (DeepSpeed's
+    ZeRO 1-3 optimizer) is about to step with: the whole gradient of each
+    parameter this rank's partition holds entirely, a slice of each one that
+    straddles partitions (under ZeRO-3, of every parameter).  Valid between
+    the window's last backward and the step, which flattens these very
+    tensors into its fp32 gradient: scaling them in place scales the update."""
+    slices: list[GradSlice] = []
+    if stage == 3:
+        for g, params in enumerate(zero.fp16_groups):
+            for p, grad in zip(params, _averaged(zero, g), strict=True):
+                # Every rank's slice is partition_numel() long; the last one ends in padding.
+                start = zero._get_param_partition_rank(p) * grad.numel()
+                real = max(0, min(grad.numel(), full_numel(p) - start))
+                slices.append(GradSlice(p, grad.view(-1).narrow(0, 0, real), start))
+        return slices
+    for g, params in enumerate(zero.params_in_partition):
+        # Padding that aligns the partition is a tensor of its own: flagged
+        # where it sits between parameters, unflagged at the partition's end.
+        grads = [t for t in _averaged(zero, g) if not getattr(t, "_zero_padding", False)]
+        if len(grads) < len(params) or any(t.numel() > p.numel() for p, t in zip(params, grads)):
+            raise ParallelxError(f"deepspeed: ZeRO group {g} holds {len(grads)} gradient slices for "
+                                 f"{len(params)} parameters; this DeepSpeed version lays them out differently")
+        for j, (p, grad) in enumerate(zip(params, grads)):
+            # Only the partition's first parameter can start before it (as DeepSpeed slices them).
+            slices.append(GradSlice(p, grad, int(zero.first_offset[g]) if j == 0 else 0))
+    return slices
+
+
+def _averaged(zero: Any, group: int) -> list[torch.Tensor]:
+    grads = zero.averaged_gradients.get(group)
+    if grads is None:
+        raise ParallelxError("deepspeed: ZeRO holds no averaged gradients here; the step must follow the "
+                             "backward of the window's last micro-batch")
+    return list(grads)
+
+
+def global_grad_norm(slices: Sequence[GradSlice], params: Sequence[nn.Parameter],
+                     all_reduce: Callable[[torch.Tensor], torch.Tensor], *, exact: bool) -> torch.Tensor:
+    """The 2-norm of the whole averaged gradient, taken as
+    ``torch.nn.utils.get_total_norm`` takes it on one process: each
+    parameter's norm (in its gradients' dtype), then the norm of those norms,
+    in the order of ``params`` (the optimizer's).  The same on every rank.
+
+    A parameter that one rank holds whole gets the very norm torch computes
+    (its square travels in float64, where squaring a float32 and taking the
+    root back are exact).  One split between ranks: with ``exact`` its
+    slices are put together first (an all-reduce of those parameters'
+    gradients: under ZeRO 1-2 the few that straddle partitions, under ZeRO-3
+    every parameter), so its norm too is torch's to the bit; without, the
+    root of its slices' squares, which differs from torch's in the order of
+    additions only.  ``all_reduce`` sums a tensor over the ranks."""
+    if not params:
+        return torch.zeros(())
+    index = {id(p): i for i, p in enumerate(params)}
+    if any(id(s.param) not in index for s in slices):
+        raise ParallelxError("deepspeed: ZeRO steps a parameter that is not in the optimizer's groups")
+    device = slices[0].grad.device if slices else params[0].device
+    dtype = params[0].dtype
+    # Row 0: the squares of this rank's slices' norms; row 1: 1 where this rank holds the parameter whole.
+    stats = torch.zeros(2, len(params), dtype=torch.float64, device=device)
+    if slices:
+        # What get_total_norm takes of each tensor (foreach where the device has it).
+        for s, norm in zip(slices, torch._foreach_norm([s.grad for s in slices], 2.0)):
+            stats[0, index[id(s.param)]] += norm.double() ** 2
+            stats[1, index[id(s.param)]] = float(s.whole)
+    stats = all_reduce(stats)
+    per_param = stats[0].sqrt().to(dtype)
+    split = [i for i, held in enumerate(stats[1].tolist()) if not held]
+    if exact and split:
+        sizes = [full_numel(params[i]) for i in split]
+        starts = dict(zip(split, itertools.accumulate([0, *sizes[:-1]])))
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        for s in slices:
+            i = index[id(s.param)]
+            if i in starts:
+                flat.narrow(0, starts[i] + s.offset, s.grad.numel()).copy_(s.grad.reshape(-1))
+        flat = all_reduce(flat)  # each element comes from one rank, zeros from the others: exact
+        whole = [flat.narrow(0, starts[i], n) for i, n in zip(split, sizes)]
+        per_param[split] = torch.stack(torch._foreach_norm(whole, 2.0)).to(dtype)
+    return torch.linalg.vector_norm(per_param, 2.0)
+
+
+def clip_(slices: Sequence[GradSlice], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradient slices by ``max_norm / (norm + 1e-6)`` when that is
+    below 1, as ``torch.nn.utils.clip_grads_with_norm_`` does: the same
+    coefficient, multiplied in, so each element is what one process gets."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for s in slices:
+        s.grad.mul_(coef.to(s.grad.device))
 
 
 def _groups(zero: Any, stage: int) -> list[list[nn.Parameter]]:

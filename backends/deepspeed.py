@@ -132,9 +132,13 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called: it would build param groups of its own,
     # and these must be the very ones DeepSpeed's optimizer steps with.
-    def __init__(self, engine: Any, optimizer: Any) -> None:
+    def __init__(self, engine: Any, optimizer: Any, params: list[nn.Parameter] | None = None) -> None:
         self.engine = engine
         self.optimizer = optimizer
+        #: The trained parameters in the user's groups' order (ZeRO replaces
+        #: them in ``param_groups`` by its flat partitions): the order in which
+        #: the clipping norm adds them up, as torch's does.
+        self.trained_params: list[nn.Parameter] = list(params or [])
         self._optimizer_step_pre_hooks: dict[int, Any] = collections.OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Any] = collections.OrderedDict()
         self._optimizer_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
@@ -257,9 +261,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
             fp16 = cfg.setdefault("fp16", {})
             fp16["enabled"] = True
             fp16.setdefault("loss_scale", 0)
-        # Where the gradients are whole on every rank (ZeRO 0 in float32) parallelx
-        # clips them as torch does; where the engine holds them (sharded, or its
-        # float16 copies) the engine clips them, with the same formula.
+        # parallelx clips the averaged gradients as torch does (whole under ZeRO 0,
+        # each rank's share under ZeRO 1-3: _clip_gradients); only where the
+        # engine keeps copies that parallelx does not see does the engine clip,
+        # with its own arithmetic.
         cfg["gradient_clipping"] = (options.clip_grad_norm or 0.0) if _engine_clips(cfg) else 0.0
         if options.wire_dtype is not None:
             cfg["communication_data_type"] = options.grad_compression
@@ -351,11 +356,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
         return self._build(owner, optimizer)
 
     def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
+        # Taken before ZeRO swaps the groups' parameters for its flat partitions.
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad] if optimizer else []
         engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=self.config)
         object.__setattr__(wrapped, "engine", engine)
         object.__setattr__(wrapped, "trains", optimizer is not None)
         engine.train(wrapped.training)
-        return DeepSpeedOptimizer(engine, ds_optimizer) if optimizer is not None else None
+        return DeepSpeedOptimizer(engine, ds_optimizer, params) if optimizer is not None else None
 
     # ------------------------------------------------------ the training loop
     def _options_changed(self) -> None:
@@ -388,7 +395,24 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         if _engine_clips(self.config):
             return None  # the engine clips inside its step (gradient_clipping in the config)
-        return super()._clip_gradients(optimizer, max_norm)
+        if self.zero_stage == 0:
+            return super()._clip_gradients(optimizer, max_norm)
+        # ZeRO 1-3: the engine's own clipping takes the norm in float64 and
+        # divides by (norm + 1e-6) / max_norm; one process (and ddp, horovod,
+        # ZeRO 0) takes it in the gradients' float32 and multiplies by
+        # max_norm / (norm + 1e-6).  Those differ in the last bits at every
+        # clipped step, and a network with kinks (ReLU, max-pool) can grow that
+        # into percents over a run.  So parallelx clips here too, with torch's
+        # arithmetic, on each rank's share of the averaged gradients, and
+        # reports that norm (clipping or not) on every rank.  When it clips,
+        # the norm is torch's to the bit (split parameters are put together),
+        # since it then scales the update.
+        slices = zero_state.reduced_gradients(optimizer.optimizer, self.zero_stage)  # type: ignore[attr-defined]
+        norm = zero_state.global_grad_norm(slices, optimizer.trained_params,  # type: ignore[attr-defined]
+                                           lambda t: self.all_reduce(t, "sum"), exact=max_norm is not None)
+        if max_norm is not None:
+            zero_state.clip_(slices, max_norm, norm)
+        return norm
 
     def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
         engine = optimizer.engine  # type: ignore[attr-defined]
@@ -531,10 +555,15 @@ def _read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> d
 
 
 def _engine_clips(cfg: Mapping[str, Any]) -> bool:
-    """True when the engine, not parallelx, holds the gradients at the step:
-    ZeRO stages 1 to 3 (sharded) and the fp16/bf16 engines (their own copies)."""
+    """True when the engine, not parallelx, must clip: its fp16/bf16 engines
+    keep (loss-scaled) copies of the gradients, and ZeRO with the optimizer
+    offloaded moves them to the CPU during the backward; parallelx sees
+    neither before the step."""
     casts = any(isinstance(cfg.get(k), Mapping) and bool(cfg[k].get("enabled")) for k in ("fp16", "bf16"))
-    return cfg["zero_optimization"]["stage"] >= 1 or casts
+    zero = cfg["zero_optimization"]
+    offload = zero.get("offload_optimizer")
+    offloaded = isinstance(offload, Mapping) and offload.get("device") not in (None, "none")
+    return casts or (zero["stage"] >= 1 and offloaded)
 
 
 def _adopt_config(options: LoopOptions, user: Mapping[str, Any], gas: int | None) -> LoopOptions:
