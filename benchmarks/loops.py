@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import parallelx
 from benchmarks import launch, plan, report, stats
 from benchmarks.run import ROOT, Session, add_common
 from benchmarks.workload import BenchError, Case
@@ -70,7 +71,7 @@ def schedule(args: argparse.Namespace, machine: plan.Machine, configs: list[str]
     for r in range(args.repeats):
         for name in configs[r % len(configs):] + configs[:r % len(configs)]:
             # A backend whose launcher starts one process (single) gets all the cores and the global micro-batch.
-            one = not launch.spec(CONFIGS[name].backend).launcher.multi_process
+            one = not parallelx.backend_class(CONFIGS[name].backend).launcher.multi_process
             case = Case(model="vgg16", batch=args.batch * (machine.nproc if one else 1), image_size=args.image_size,
                         warmup=args.warmup, steps=args.steps, lr=0.001)
             jobs.append(plan.Job(impl=f"loop-{name}", nproc=1 if one else machine.nproc, cases=[case], repeat=r,

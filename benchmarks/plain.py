@@ -36,8 +36,6 @@ class World:
     size: int
     device: torch.device
     finish: Callable[[], Any] = lambda: None
-    state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
-    accelerator: Any = None
 
 
 def _device(local_rank: int) -> torch.device:
@@ -114,26 +112,10 @@ def prepare_deepspeed(case: workload.Case, world: World) -> tuple[workload.Step,
     return train_step, engine.module
 
 
-def init_accelerate() -> World:
-    from accelerate import Accelerator
-
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    return World(acc.process_index, acc.local_process_index, acc.num_processes, acc.device, acc.end_training,
-                 state_dict=lambda m: acc.unwrap_model(m).state_dict(), accelerator=acc)
-
-
-def prepare_accelerate(case: workload.Case, world: World) -> tuple[workload.Step, nn.Module]:
-    acc = world.accelerator
-    acc.free_memory()  # the previous case's model and optimizer
-    model = workload.build_model(case)
-    model, optimizer = acc.prepare(model, workload.make_optimizer(model, case))
-    return workload.torch_step(model, optimizer, acc.backward), model
-
-
 Prepare = Callable[[workload.Case, World], tuple[workload.Step, nn.Module]]
 FRAMEWORKS: dict[str, tuple[Callable[[], World], Prepare]] = {
     "ddp": (init_ddp, prepare_ddp), "horovod": (init_horovod, prepare_horovod),
-    "deepspeed": (init_deepspeed, prepare_deepspeed), "accelerate": (init_accelerate, prepare_accelerate)}
+    "deepspeed": (init_deepspeed, prepare_deepspeed)}
 
 
 @exit_on_error
@@ -143,9 +125,8 @@ def main() -> int:
     args, plan = workload.worker_args(parser)
     init, prepare = FRAMEWORKS[args.framework]
     world = init()
-    # run_plan sets the threads after start-up, which may set torch's thread count itself (Accelerate on CPUs).
     workload.run_plan(plan, lambda case: prepare(case, world), rank=world.rank, local_rank=world.local_rank,
-                      world_size=world.size, device=world.device, state_dict=world.state_dict)
+                      world_size=world.size, device=world.device)
     world.finish()
     return 0
 

@@ -10,13 +10,12 @@ from pathlib import Path
 from benchmarks.workload import BenchError, Case, cpu_cores
 
 FAMILIES = ("ddp", "horovod", "deepspeed")
-#: PyTorch's own: measured at every batch size, the baseline of Accelerate and of the 1-process scaling runs.
+#: PyTorch's own: measured at every batch size, and in the 1-process scaling runs.
 REFERENCE = FAMILIES[0]
-TITLES = {"ddp": "DDP", "horovod": "Horovod", "deepspeed": "DeepSpeed", "accelerate": "Accelerate"}
-PARTS = (*FAMILIES, "accelerate", "scaling", "same-process")
+TITLES = {"ddp": "DDP", "horovod": "Horovod", "deepspeed": "DeepSpeed"}
+PARTS = (*FAMILIES, "scaling", "same-process")
 #: (measured, baseline): what the overhead tables compare.
-PAIRS = ([(f"px-{f}", f"raw-{f}") for f in FAMILIES] + [("accelerate", f"raw-{REFERENCE}")]
-         + [(f"ctl-{f}", f"raw-{f}") for f in FAMILIES])
+PAIRS = [(f"{kind}-{f}", f"raw-{f}") for kind in ("px", "ctl") for f in FAMILIES]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +23,7 @@ class Impl:
     """One way of running the workload: a worker module, started by the launcher of ``family``."""
 
     name: str
-    family: str  # the backend it exercises (or the peer framework, accelerate)
+    family: str  # the backend it exercises, whose launcher starts it
     module: str
     label: str
     args: tuple[str, ...] = ()
@@ -75,7 +74,6 @@ def _impls() -> dict[str, Impl]:
     px = "benchmarks.px_worker"
     out = [i for f in FAMILIES for i in (plain(f"raw-{f}", f, f"{TITLES[f]} (plain)"), Impl(
         name=f"px-{f}", family=f, module=px, args=("--backend", f), label=f"{TITLES[f]} (parallelx)"))]
-    out.append(plain("accelerate", "accelerate", "Accelerate"))
     # --control: each plain script a second time, compared with itself.  No difference exists by
     # construction, so its ratio and interval show what the machine's noise alone makes of a ratio.
     out += [plain(f"ctl-{f}", f, f"{TITLES[f]} (plain, again)") for f in FAMILIES]
@@ -183,20 +181,13 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, c
              same_process: tuple[str, ...] = ()) -> list[Job]:
     """Every launch, in order.  Within a round, the launches compared with
     each other (a backend's plain script, parallelx, with ``control`` the
-    plain script again; Accelerate joins DDP's) are adjacent, and their order
+    plain script again) are adjacent, and their order
     rotates every round (A B, B A; A B C, B C A, C A B), so that a slow spell
     of a noisy machine hits each alike.  Last, one same-process launch for
     each backend in ``same_process`` (LeNet: its batches alone give both
     implementations identical weights; VGG16's dropout would not)."""
     n = machine.nproc
     groups = [[f"raw-{f}", f"px-{f}", *([f"ctl-{f}"] if control else [])] for f in FAMILIES if f in parts]
-    if "accelerate" in parts:
-        # It is compared with the plain reference script: it runs beside those launches when they run.
-        home = [g for g in groups if g[0] == f"raw-{REFERENCE}"]
-        if home:
-            home[0].append("accelerate")
-        else:
-            groups.append(["accelerate"])
     singles = [f"raw-{REFERENCE}", f"px-{REFERENCE}"] if "scaling" in parts and n > 1 else []
     if singles and p.scaling_all:
         singles += [f"{k}-{f}" for f in FAMILIES if f != REFERENCE and f in parts for k in ("raw", "px")]

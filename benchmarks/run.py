@@ -81,14 +81,6 @@ def preset_from(args: argparse.Namespace) -> plan.Preset:
     return preset
 
 
-def skip_reasons(parts: list[str], nproc: int) -> dict[str, str]:
-    """Parts that cannot run here, with why."""
-    out = {part: why for part in parts if part in (*plan.FAMILIES, "accelerate") and (why := launch.unavailable(part))}
-    if "accelerate" in parts and nproc < 2 and "accelerate" not in out:
-        out["accelerate"] = f"`accelerate launch --multi_gpu` needs 2 or more processes, got --nproc {nproc}"
-    return out
-
-
 class Session:
     """What both command lines do around their launches: the SIGTERM handler
     (a timeout from outside still writes the results), the machine, the
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if machine.gpus == 0 and machine.nproc > machine.cores:
         print(f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
               file=sys.stderr)
-    skipped = skip_reasons(args.parts, machine.nproc)
+    skipped = {part: why for part in args.parts if part in plan.FAMILIES and (why := launch.unavailable(part))}
     parts = session.drop_skipped(args.parts, skipped)
     print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
           f"(1-process runs: {machine.threads_1}), {machine.comm}, "

@@ -176,14 +176,13 @@ def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], de
             times.append(time.perf_counter() - start)
 
 
-def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> Step:
-    """The step as PyTorch's DDP tutorial, Horovod's guide and Accelerate's quick tour (its ``backward``) write it."""
+def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Step:
+    """The step as PyTorch's DDP tutorial and Horovod's guide write it."""
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
-        backward(loss)
+        loss.backward()
         optimizer.step()
         return loss
 
