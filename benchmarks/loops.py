@@ -15,11 +15,9 @@ images/s compare directly.  Writes ``results.md`` and ``summary.json`` to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import parallelx
@@ -46,8 +44,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=6, help="rounds of rotating launches (default 6)")
     p.add_argument("--smoke", action="store_true",
                    help="32 px, batch 2, 1 round: checks that everything runs; its numbers mean nothing")
-    p.add_argument("--render", type=Path, default=None, metavar="RAW",
-                   help="measure nothing: write results.md and summary.json from an earlier run's --raw file")
     add_common(p, out_dir=ROOT / "benchmarks" / "results" / "loops", raw=ROOT / "runs" / "bench" / "loops.json",
                timeout=900)
     args = p.parse_args(argv)
@@ -167,24 +163,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             "failures": result["failures"]}
 
 
-def write(result: dict[str, Any], out_dir: Path, raw: Path | None) -> None:
-    """``results.md`` and ``summary.json`` in ``out_dir``; the whole result (every window time) at ``raw``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.md").write_text(markdown(result))
-    (out_dir / "summary.json").write_text(report.compact_json(summary(result)))
-    if raw is not None:
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        raw.write_text(json.dumps(result, indent=1) + "\n")
-
-
 @exit_on_error
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.render is not None:
-        result = json.loads(args.render.read_text())
-        result["table"] = summarise(result["runs"])
-        write(result, args.out_dir, None)
-        return 0
     session = Session(args, argv, "benchmarks.loops", "loops")
     machine = session.machine
     if machine.nproc < 2:
@@ -203,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = session.finish(jobs, failures, image_size=args.image_size, batch=args.batch, warmup=args.warmup,
                           steps=args.steps, repeats=args.repeats, configs=configs, skipped=skipped)
     result = {"meta": meta, "runs": rows, "table": summarise(rows), "failures": failures}
-    write(result, args.out_dir, args.raw)
+    report.write(result, args.out_dir, args.raw, markdown(result), summary(result))
     print(markdown(result), flush=True)
     print(f"[loops] done in {meta['wall_s']:.0f}s: {args.out_dir}/results.md, summary.json, {args.raw}", flush=True)
     return 1 if failures else 0

@@ -1,36 +1,25 @@
 """A benchmark result (built by ``benchmarks.run``) as the files that are
-kept: ``results.md`` (the tables), ``summary.json`` (a few dozen lines: per
+kept: ``results.md`` (the tables) and ``summary.json`` (a few dozen lines: per
 comparison the ratio, its interval, the rounds, whether the final weights are
-identical, and the environment) and ``results.png`` (the chart).  Every step
-time goes only to the raw JSON, which is not committed.
-
-    python -m benchmarks.report runs/bench/results.json benchmarks/results   # re-render from a raw file
-"""
+identical, and the environment).  Every step time goes only to the raw JSON,
+which is not committed."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.plan import IMPLS
 
-FILES = ("results.md", "summary.json", "results.png")
 
-
-def write_all(result: dict[str, Any], out_dir: Path, raw: Path | None = None) -> list[Path]:
-    """The kept files in ``out_dir``, and the whole result (every step time) at ``raw``."""
+def write(result: dict[str, Any], out_dir: Path, raw: Path, markdown_text: str, summary_obj: dict[str, Any]) -> None:
+    """``results.md`` and ``summary.json`` in ``out_dir``, and the whole result (every step time) at ``raw``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, summ, png = (out_dir / name for name in FILES)
-    md.write_text(markdown(result))
-    summ.write_text(compact_json(summary(result)))
-    chart(result, png)
-    if raw is None:
-        return [md, summ, png]
+    (out_dir / "results.md").write_text(markdown_text)
+    (out_dir / "summary.json").write_text(compact_json(summary_obj))
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1) + "\n")
-    return [md, summ, png, raw]
 
 
 def _label(impl: str) -> str:
@@ -185,64 +174,3 @@ def compact_json(obj: dict[str, Any]) -> str:
         return json.dumps(v)
 
     return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in obj.items()) + "\n}\n"
-
-
-def chart(result: dict[str, Any], path: Path) -> None:
-    """Throughput of each implementation per main case, and the ratios with their intervals and single rounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n, p = result["meta"]["machine"]["nproc"], result["meta"]["preset"]
-    runs = [r for r in result["runs"] if r["nproc"] == n and (r["model"] == "vgg16" or r["batch"] == p["lenet_batch"])]
-    ratios = [c for c in result["comparisons"] if c["nproc"] == n]
-    panels = [*dict.fromkeys(r["case_id"] for r in runs), *(["ratios"] if ratios else [])] or ["empty"]
-    rows_n, cols = -(-len(panels) // 2), min(2, len(panels))
-    fig, grid = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.4 * rows_n), squeeze=False)
-    axes = [ax for row in grid for ax in row]
-    for ax in axes[len(panels):]:
-        ax.set_visible(False)
-    color = {"raw": "#8c8c8c", "px-": "#1f77b4", "acc": "#ff7f0e", "ctl": "#c7c7c7"}
-    for ax, panel in zip(axes, panels):
-        if panel == "ratios":
-            labels = [f"{c['impl'].split('-', 1)[-1]}{' again' if c['impl'].startswith('ctl') else ''}\n"
-                      f"{c['case_id'].replace('-32px', '')}{' same proc' if c['how'] == 'same process' else ''}"
-                      for c in ratios]
-            ax.bar(labels, [c["ratio"] for c in ratios], color=[color[c["impl"][:3]] for c in ratios])
-            for i, c in enumerate(ratios):
-                if c["ci95"]:
-                    ax.plot([i, i], c["ci95"], color="#d62728", lw=2, label="95 % interval" if i == 0 else None)
-                ax.plot([i] * len(c["per_round"]), c["per_round"], "k.", ms=3,
-                        label="single rounds / blocks" if i == 0 else None)
-            shown = [x for c in ratios for x in (c["ratio"], *c["per_round"], *(c["ci95"] or []))]
-            ax.set_ylim(min(0.9, *shown) - 0.02, max(1.1, *shown) + 0.02)
-            ax.axhline(1.0, color="black", lw=0.8)
-            ax.axhline(result["meta"]["ratio_target"], color="red", ls="--", lw=0.8, label="target")
-            ax.set_title(f"median step time, measured / plain, {n} processes", fontsize=9)
-            ax.tick_params(axis="x", labelsize=6, rotation=45)
-            ax.legend(fontsize=7)
-        elif panel != "empty":
-            rows = [r for r in runs if r["case_id"] == panel]
-            ax.bar([_label(r["impl"]).replace(" (", "\n(") for r in rows], [r["images_per_s"] for r in rows],
-                   color=[color[r["impl"][:3]] for r in rows])
-            ax.set(title=f"{panel}, {n} processes", ylabel="images/s (higher is better)")
-            ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (1, 2):
-        print("usage: python -m benchmarks.report RAW_RESULTS.json [OUT_DIR]  (OUT_DIR defaults to the raw "
-              "file's folder)", file=sys.stderr)
-        return 2
-    raw = Path(args[0])
-    write_all(json.loads(raw.read_text()), Path(args[1]) if len(args) == 2 else raw.parent)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,9 @@ its plain hand-written script, side by side on one machine.
 
 What runs is planned in ``plan.py``, started in ``launch.py`` (each backend's
 own launcher through ``parallelx.runner``), summarised in ``stats.py`` and
-written by ``report.py``: ``results.md``, ``summary.json`` and
-``results.png`` in ``--out-dir`` (default ``benchmarks/results/``), and every
-step time in ``--raw`` (default ``runs/bench/results.json``, not committed).
+written by ``report.py``: ``results.md`` and ``summary.json`` in ``--out-dir``
+(default ``benchmarks/results/``), and every step time in ``--raw`` (default
+``runs/bench/results.json``, not committed).
 The exit status is 1 when a launch failed or final weights differ between
 parallelx and the plain script.
 """
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                           ratio_target=stats.RATIO_TARGET)
     result = {"meta": meta, "runs": rows, "comparisons": comparisons, "scaling": stats.scaling(rows),
               "failures": failures}
-    paths = report.write_all(result, args.out_dir, args.raw)
-    print(f"[bench] done in {meta['wall_s']:.0f}s: " + ", ".join(map(str, paths)), flush=True)
+    report.write(result, args.out_dir, args.raw, report.markdown(result), report.summary(result))
+    print(f"[bench] done in {meta['wall_s']:.0f}s: {args.out_dir}/results.md, summary.json, {args.raw}", flush=True)
     bad = [c for c in comparisons if c["max_abs_weight_diff"] is not None and not c["weights_passed"]]
     for c in bad:
         print(f"[bench] WEIGHTS DIFFER: {c['impl']} vs {c['baseline']} ({c['how']}) on {c['case_id']} "
