@@ -28,19 +28,19 @@ from parallelx.cli import exit_on_error, positive_int
 
 CONFIGS = {c.name: c for c in plan.LOOPS}
 BASELINE, PLAIN = "single", "ddp"
+#: Untimed micro-batches first, as one short window (it ends in a full all-reduce and optimizer step).
+WARMUP = 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.loops", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(plan.LOOPS_DEFAULT),
-                   help=f"comma-separated configurations (default: %(default)s; all: {','.join(CONFIGS)})")
+    p.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations (default: %(default)s)")
     p.add_argument("--image-size", type=int, default=64,
                    help="VGG16 image size (default 64: the recipe's CPU setting; 224 on GPUs)")
     p.add_argument("--batch", type=positive_int, default=16, help="micro-batch per process (default 16)")
     p.add_argument("--steps", type=positive_int, default=plan.LOOP_ACCUMULATE,
                    help=f"timed micro-batches per launch, a multiple of {plan.LOOP_ACCUMULATE} (default: one window)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed micro-batches first, as one short window")
     p.add_argument("--repeats", type=positive_int, default=6, help="rounds of rotating launches (default 6)")
     p.add_argument("--smoke", action="store_true",
                    help="32 px, batch 2, 1 round: checks that everything runs; its numbers mean nothing")
@@ -53,11 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if BASELINE not in args.configs:
         p.error(f"--only must include {BASELINE}: every ratio is to it")
     if args.smoke:
-        args.image_size, args.batch, args.steps, args.warmup, args.repeats = 32, 2, plan.LOOP_ACCUMULATE, 1, 1
+        args.image_size, args.batch, args.steps, args.repeats = 32, 2, plan.LOOP_ACCUMULATE, 1
     if args.steps % plan.LOOP_ACCUMULATE:
         p.error(f"--steps must be a multiple of {plan.LOOP_ACCUMULATE} (whole accumulation windows), got {args.steps}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
 
 
@@ -69,7 +67,7 @@ def schedule(args: argparse.Namespace, machine: plan.Machine, configs: list[str]
             # A backend whose launcher starts one process (single) gets all the cores and the global micro-batch.
             one = not parallelx.backend_class(CONFIGS[name].backend).launcher.multi_process
             case = Case(model="vgg16", batch=args.batch * (machine.nproc if one else 1), image_size=args.image_size,
-                        warmup=args.warmup, steps=args.steps, lr=0.001)
+                        warmup=WARMUP, steps=args.steps, lr=0.001)
             jobs.append(plan.Job(impl=f"loop-{name}", nproc=1 if one else machine.nproc, cases=[case], repeat=r,
                                  threads=machine.threads_1 if one else machine.threads_n))
     return jobs
@@ -148,19 +146,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             "load_average_start", "load_average_end")
     env = {"hardware": meta["hardware"], "versions": meta["versions"], "processes": m["nproc"],
            "threads": [m["threads_n"], m["threads_1"]], "bind_cores": m["bind_cores"]}
-
-    def rounded(t: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in t.items() if k not in ("buys", "label")}
-        out.update(ms_per_micro_batch=round(t["ms_per_micro_batch"], 1), peak_rss_mib=round(t["peak_rss_mib"], 1),
-                   images_per_s=round(t["images_per_s"], 3), images_per_s_rounds=[round(x, 3) for x in
-                                                                                  t["images_per_s_rounds"]])
-        for k in ("vs_single", "vs_ddp"):
-            if (v := t[k]) is not None:
-                out[k] = {"ratio": round(v["ratio"], 3), "ci95": v["ci95"] and [round(x, 3) for x in v["ci95"]]}
-        return out
-
-    return {"meta": {k: meta[k] for k in keep}, "env": env, "table": [rounded(t) for t in result["table"]],
-            "failures": result["failures"]}
+    table = [{k: v for k, v in t.items() if k not in ("buys", "label")} for t in result["table"]]
+    return {"meta": {k: meta[k] for k in keep}, "env": env, "table": table, "failures": result["failures"]}
 
 
 @exit_on_error
@@ -181,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[loops] load average {os.getloadavg()[0]:.2f}", flush=True)
     rows = stats.collect(jobs, session.work)
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
-    meta = session.finish(jobs, failures, image_size=args.image_size, batch=args.batch, warmup=args.warmup,
+    meta = session.finish(jobs, failures, image_size=args.image_size, batch=args.batch, warmup=WARMUP,
                           steps=args.steps, repeats=args.repeats, configs=configs, skipped=skipped)
     result = {"meta": meta, "runs": rows, "table": summarise(rows), "failures": failures}
     report.write(result, args.out_dir, args.raw, markdown(result), summary(result))

@@ -45,7 +45,7 @@ class LoopConfig:
 LOOP_ACCUMULATE = 4
 _ACC, _BF16 = ("--accumulate", str(LOOP_ACCUMULATE)), ("--grad-compression", "bf16")
 #: benchmarks.loops: the baseline first (one process with all the cores), then plain DDP and each
-#: option alone and together; the last three only when asked for.
+#: option alone and together.
 LOOPS = tuple(LoopConfig(*row) for row in (
     ("single", "single", (), "1 process (all cores)",
      "the baseline: no communication, both cores in one process's torch threads"),
@@ -57,14 +57,7 @@ LOOPS = tuple(LoopConfig(*row) for row in (
     ("ddp-bf16", "ddp", _BF16, "DDP, bf16 gradients",
      "half the bytes on the wire (bfloat16 comm hook), for two casts per step"),
     ("ddp-acc4-bf16", "ddp", (*_ACC, *_BF16), "DDP, accumulate 4 + bf16",
-     "both: a quarter of the all-reduces, each half as large"),
-    ("ddp-fp16", "ddp", ("--grad-compression", "fp16"), "DDP, fp16 gradients",
-     "half the bytes on the wire (float16 comm hook)"),
-    ("horovod-acc4", "horovod", _ACC, "Horovod, accumulate 4",
-     "Horovod's backward_passes_per_step: one allreduce per window"),
-    ("deepspeed-acc4", "deepspeed", (*_ACC, "--zero-stage", "0"), "DeepSpeed ZeRO 0, accumulate 4",
-     "DeepSpeed's gradient_accumulation_steps: one allreduce per window")))
-LOOPS_DEFAULT = ("single", "single-acc4", "ddp", "ddp-acc4", "ddp-bf16", "ddp-acc4-bf16")
+     "both: a quarter of the all-reduces, each half as large")))
 
 
 def _impls() -> dict[str, Impl]:
@@ -148,7 +141,6 @@ class Job:
 @dataclass(kw_only=True)
 class Machine:
     gpus: int
-    gpu_names: list[str]
     cores: int
     nproc: int
     threads_n: int  # torch threads per process when nproc processes share the machine
@@ -167,9 +159,8 @@ def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
     if n < 1:
         raise BenchError(f"--nproc must be >= 1, got {n}")
     # Pinning is for CPU runs only: on GPUs the cores' layout (NUMA) is the launcher's business.
-    return Machine(gpus=gpus, gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)], cores=cores, nproc=n,
-                   threads_n=max(1, cores // n), threads_1=max(1, cores), comm="nccl" if gpus else "gloo",
-                   bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
+    return Machine(gpus=gpus, cores=cores, nproc=n, threads_n=max(1, cores // n), threads_1=max(1, cores),
+                   comm="nccl" if gpus else "gloo", bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
 
 
 def lenet(batch: int, p: Preset, save: bool, threads: int | None = None) -> Case:

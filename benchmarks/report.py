@@ -137,10 +137,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _r(x: float | None, nd: int = 4) -> float | None:
-    return None if x is None else float(f"{x:.{nd}g}")
-
-
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers, without the per-step data."""
     meta, m = result["meta"], result["meta"]["machine"]
@@ -152,25 +148,34 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                 "versions": meta["versions"], "processes": m["nproc"], "threads": m["threads_n"],
                 "threads_1_process": m["threads_1"], "comm": m["comm"], "pinned": bool(m.get("bind_cores"))},
         "comparisons": [{"impl": c["impl"], "baseline": c["baseline"], "how": c["how"], "case": c["case_id"],
-                         "procs": c["nproc"], "rounds": len(c["per_round"]), "ms": _r(c["median_step_s"] * 1000),
-                         "baseline_ms": _r(c["baseline_median_step_s"] * 1000), "ratio": _r(c["ratio"]),
-                         "ci95": c["ci95"] and [_r(x) for x in c["ci95"]], "p10_ratio": _r(c["ratio_p10"]),
+                         "procs": c["nproc"], "rounds": len(c["per_round"]), "ms": c["median_step_s"] * 1000,
+                         "baseline_ms": c["baseline_median_step_s"] * 1000, "ratio": c["ratio"], "ci95": c["ci95"],
+                         "p10_ratio": c["ratio_p10"],
                          "weights_equal": c["weights_equal"] if c["max_abs_weight_diff"] is not None else None}
                         for c in result["comparisons"]],
         "scaling": [{"impl": s["impl"], "case": s["case_id"], "procs": s["nproc"],
-                     "images_per_s": _r(s["images_per_s_n"]),
-                     **{f"speedup_{k}": _r(s[k]["speedup"]) for k in ("same_threads", "all_cores") if k in s},
-                     "ci95_same_threads": [_r(x, 3) for x in (s.get("same_threads", {}).get("ci95") or [])] or None}
+                     "images_per_s": s["images_per_s_n"],
+                     **{f"speedup_{k}": s[k]["speedup"] for k in ("same_threads", "all_cores") if k in s},
+                     "ci95_same_threads": (s.get("same_threads") or {}).get("ci95")}
                     for s in result["scaling"]],
         "failures": [f"{f['job']}: {(f['error'] or '').splitlines()[0]}" for f in result["failures"]],
     }
 
 
+def rounded(v: Any) -> Any:
+    """Every float in ``v`` to 4 significant digits: more than the machine's noise allows to mean anything."""
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: rounded(x) for k, x in v.items()}
+    return [rounded(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
 def compact_json(obj: dict[str, Any]) -> str:
-    """One line per top-level entry, and per item of a top-level list."""
+    """One line per top-level entry, and per item of a top-level list; floats :func:`rounded`."""
     def value(v: Any) -> str:
         if isinstance(v, list) and v:
             return "[\n  " + ",\n  ".join(json.dumps(x) for x in v) + "\n ]"
         return json.dumps(v)
 
-    return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in obj.items()) + "\n}\n"
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in rounded(obj).items()) + "\n}\n"

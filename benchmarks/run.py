@@ -45,8 +45,8 @@ def add_common(p: argparse.ArgumentParser, *, out_dir: Path, raw: Path, timeout:
     p.add_argument("--timeout", type=float, default=timeout, help="seconds per launch before it is killed")
     p.add_argument("--out-dir", type=Path, default=out_dir, help="results.md, summary.json (default: %(default)s)")
     p.add_argument("--raw", type=Path, default=raw, help="every step time as JSON (default: %(default)s)")
-    p.add_argument("--work-dir", type=Path, default=None, help="logs, plans and weights (default: a temp dir)")
-    p.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, final weights)")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="logs, plans and results of every launch, kept (default: a temp dir, removed unless one failed)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,7 +101,7 @@ class Session:
 
     def finish(self, jobs: list[plan.Job], failures: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """Remove a temporary work dir unless a launch failed (then its logs stay); the results' ``meta``."""
-        if self.args.work_dir is None and not self.args.keep_work:
+        if self.args.work_dir is None:
             if failures:
                 print(f"[{self.tag}] keeping the logs of the failed run in {self.work}", file=sys.stderr)
             else:
@@ -137,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = stats.collect(jobs, work)
         comparisons = stats.overheads(rows, jobs, work) + stats.same_process_jobs(jobs, work)
     finally:
-        if not args.keep_work:  # final weights are large (VGG16: 0.5 GB per run); logs are not
-            for path in (work / "out").glob("*/*.weights.pt"):
-                path.unlink()
+        for path in (work / "out").glob("*/*.weights.pt"):  # compared; large (VGG16: 0.5 GB per run)
+            path.unlink()
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
     meta = session.finish(jobs, failures, mode=args.mode, preset=asdict(preset), parts=parts, control=args.control,
                           models=args.model_list, skipped=skipped, weight_tolerance=stats.WEIGHT_ATOL,

@@ -2,7 +2,7 @@
 (cases to run), model, optimizer, synthetic batches, step timer and result
 files.  Nothing here is distributed: each worker owns its process group,
 wrapping and step, so two workers' step times differ by their training paths
-alone.  ``benchmarks.run`` writes a plan per launch (``--keep-work`` keeps them)::
+alone.  ``benchmarks.run`` writes a plan per launch (``--work-dir`` keeps them)::
 
     python -m parallelx launch ddp -n 2 -- -m benchmarks.px_worker --plan DIR/plans/px-ddp-n2-r0.json
 """
@@ -57,15 +57,6 @@ class Case:
     save_weights: bool = False
     threads: int | None = None  # torch threads for this case (default: the plan's)
 
-    def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise BenchError(f"unknown model {self.model!r}; expected one of {', '.join(MODELS)}")
-        if self.batch < 1 or self.steps < 1 or self.warmup < 0:
-            raise BenchError(f"{self.id}: need batch >= 1, steps >= 1 and warmup >= 0, "
-                             f"got batch={self.batch} steps={self.steps} warmup={self.warmup}")
-        if self.model == "lenet" and self.image_size != 32:
-            raise BenchError(f"LeNet takes 32x32 CIFAR-10 images, got image size {self.image_size}")
-
     @property
     def id(self) -> str:
         return f"{self.model}-{self.image_size}px-b{self.batch}" + (f"-t{self.threads}" if self.threads else "")
@@ -98,7 +89,7 @@ class Plan:
 def worker_args(parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, Plan]:
     """A worker's command line: ``--plan FILE`` and the worker's own options."""
     p = parser or argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help="plan file written by benchmarks.run (--keep-work keeps them)")
+    p.add_argument("--plan", required=True, help="plan file written by benchmarks.run (--work-dir keeps them)")
     try:  # the deepspeed launcher appends --local_rank=N (parallelx's and DeepSpeed's options may declare it)
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     except argparse.ArgumentError:

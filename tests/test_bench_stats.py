@@ -85,7 +85,7 @@ def test_same_process_blocks_pair_up_and_steps_average_over_ranks():
 
 
 def test_launches_alternate_and_each_comparison_stays_together():
-    machine = plan.Machine(gpus=0, gpu_names=[], cores=2, nproc=2, threads_n=1, threads_1=2, comm="gloo",
+    machine = plan.Machine(gpus=0, cores=2, nproc=2, threads_n=1, threads_1=2, comm="gloo",
                            bind_cores=True)
     preset = plan.PRESETS["quick"]
     jobs = plan.schedule(preset, ["ddp", "horovod", "scaling", "same-process"], ["lenet"], machine,
