@@ -12,13 +12,14 @@ import os
 import shutil
 import signal
 import sys
+import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
 # The package, not this file: a script's folder is first on sys.path, and a package wins over a module.
 from gpu_check import __doc__ as ABOUT
 from gpu_check.check import BACKENDS, BUDGET_S, CUDA, DRY_RUN, FAILED, PASSED, ROOT, SECTIONS, SKIPPED, Item
-from gpu_check.sections import GpuCheck, kill_group
+from gpu_check.sections import GpuCheck, install_wheels, kill_group
 from gpu_check.workers import build_horovod, sync_worker
 
 
@@ -29,17 +30,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu-report"),
                         help="where report.md and summary.json go (default $OUT, else gpu-report/)")
     parser.add_argument("--work", default=None, help="scratch folder for data, runs and logs, kept afterwards "
-                                                     "(default: a temporary one, removed at the end)")
+                                                     "(default: a temporary one, its logs packed beside the report)")
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"Unix time by which to finish (default: {BUDGET_S:.0f}s from now)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes per multi-process launch (default: the GPUs; 2 in the dry run)")
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(SECTIONS),
                         help=f"comma-separated sections to run ({','.join(SECTIONS)})")
-    parser.add_argument("--horovod-sdist", default=None, help="Horovod's sdist, built with NCCL if not installed")
-    parser.add_argument("--site", default=None, help="the --target folder the carried wheels went to (for Horovod's)")
-    for hidden in ("--install-steps", "--plan", "--build-horovod", "--wheel-dir"):  # gpu_check.sh's, and the workers'
-        parser.add_argument(hidden, type=Path if hidden != "--install-steps" else str, help=argparse.SUPPRESS)
+    parser.add_argument("--wheels", type=Path, default=None,
+                        help="install these carried wheels first (gpu_check.sh: gpu-wheels/); Horovod's sdist there "
+                             "is built with NCCL")
+    parser.add_argument("--site", type=Path, default=Path("gpu-site"), help="where --wheels go (default gpu-site/)")
+    for hidden in ("--plan", "--build-horovod", "--wheel-dir"):  # the workers'
+        parser.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["sync"], help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank=N to a worker's arguments.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -59,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sync_worker(args.plan)
     if args.build_horovod is not None:
         return build_horovod(args.build_horovod, args.wheel_dir)
+    installed = install_wheels(args.wheels, args.site) if args.wheels is not None else None
     try:
         import torch
 
@@ -66,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"error: parallelx is not importable with {sys.executable} ({exc}); on the GPU machine run "
               "`bash scripts/gpu_check.sh`, here `make setup`", file=sys.stderr)
+        if installed is not None and installed.status == FAILED:
+            print(f"the carried wheels did not install: {installed.detail}\n{installed.log or ''}", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
@@ -78,7 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[gpu-check] {'CUDA' if cuda else 'dry run on the CPU'}, {check.nproc} process(es) per launch, "
           f"{check.remaining():.0f}s budget; work in {check.work}; report in {check.out}", flush=True)
     try:
-        check.install_steps()
+        if installed is None:
+            check.skip("install", "carried wheels", "no --wheels (gpu_check.sh passes gpu-wheels/): nothing installed")
+        else:
+            check.record(installed)
         check.start_horovod_build()  # first: it has the longest way to go
         check.environment()
         check.make_data()
@@ -99,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if check.horovod_build is not None and check.horovod_build.poll() is None:
             kill_group(check.horovod_build)
         check.write()
-        if args.work is None:  # our own temporary folder: runs hold 0.5 GB VGG16 checkpoints
+        if args.work is None:  # our own temporary folder: its logs beside the report, its 0.5 GB checkpoints gone
+            with tarfile.open(check.out / "logs.tar.gz", "w:gz") as tar:
+                tar.add(check.logs, arcname="logs")
             shutil.rmtree(check.work, ignore_errors=True)
     summary = check.summary()
     c = summary["counts"]

@@ -2,8 +2,8 @@
 (``bash scripts/gpu_check.sh`` there, ``scripts/gpu_check.py --dry-run`` on a CPU;
 the README's "GPU check" says what it checks).
 
-Its sections: **install** (what gpu_check.sh installed; Horovod built with NCCL
-in the background), **environment**, **recipes** (both recipes under every
+Its sections: **install** (the carried wheels; Horovod built with NCCL in the
+background), **environment**, **recipes** (both recipes under every
 launcher, val figures against a single-process evaluation of ``best.pth``),
 **throughput** (``benchmarks/same_process.py`` on VGG16) and **host-sync**
 (synchronisations per step of the recipes' loop).  Every step has a timeout,

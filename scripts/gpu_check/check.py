@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The command; the check's own helper processes (the host-sync worker under
 #: each launcher, the Horovod build) are started through it too.
 ENTRY = ROOT / "scripts" / "gpu_check.py"
-#: The whole check, from the start of gpu_check.sh: the GPU machine gives 10
+#: The whole check, installation included: the GPU machine gives 10
 #: minutes a command, so 8 leave room for its start and the transfers.
 BUDGET_S = 480.0
 RESERVE_S = 10.0  # kept free at the end for writing the report
@@ -280,8 +280,8 @@ class Check:
                     # tqdm redraws with carriage returns: keep the last state of each line.
                     tail = "\n".join(row.rsplit("\r", 1)[-1] for row in i.log.splitlines()[-40:])
                     lines += ["", f"Output of the failed check *{i.name}* (last lines):", "", "```", tail, "```"]
-        lines += ["", "Every launch's whole output: `logs.tar.gz` beside this report when run through "
-                  f"gpu_check.sh, else `{summary['logs']}`.", "",
+        lines += ["", "Every launch's whole output: `logs.tar.gz` beside this report when the scratch folder was a "
+                  f"temporary one (no --work), else `{summary['logs']}`.", "",
                   "Environment:", "", "```", json.dumps(self.facts, indent=1, default=str), "```", ""]
         return "\n".join(lines)
 

@@ -36,31 +36,20 @@ class GpuCheck(Check):
 
     # ------------------------------------------------------------ install
 
-    def install_steps(self) -> None:
-        """Items for what gpu_check.sh did before this script started (a TSV: name, status, seconds, detail)."""
-        if self.args.install_steps is None:
-            self.skip("install", "carried wheels", "not started through scripts/gpu_check.sh: nothing installed")
-            return
-        for row in Path(self.args.install_steps).read_text().splitlines():
-            name, rc, seconds, detail = (row.split("\t") + ["", "", "", ""])[:4]
-            ok = rc.strip() == "0"
-            self.record(Item("install", name, PASSED if ok else FAILED,
-                             detail if ok else f"exit status {rc}: {detail}", seconds=float(seconds or 0)))
-
     def start_horovod_build(self) -> None:
         """Horovod has no wheel for current torch: build its carried sdist with
         NCCL operations in the background (at low priority) while the other
         checks use the GPU; its own checks run at the end if it finished."""
-        sdist = self.args.horovod_sdist
+        sdist = next(Path(self.args.wheels).glob("horovod-*.tar.gz"), None) if self.args.wheels else None
         if not self.cuda:
             self.skip("install", HOROVOD_BUILD, "CUDA only: the NCCL build needs a GPU and nvcc"
                       + (" (the dry run uses the Horovod already installed)" if not unavailable("horovod") else ""),
                       needs="cuda")
         elif importlib.util.find_spec("horovod") is not None:
             self.skip("install", HOROVOD_BUILD, "Horovod is already installed here; its build was not repeated")
-        elif sdist is None or not Path(sdist).is_file():
-            self.skip("install", HOROVOD_BUILD, f"no Horovod sdist at {sdist}: run scripts/gpu_wheels.py and carry "
-                      "gpu-wheels/")
+        elif sdist is None:
+            self.skip("install", HOROVOD_BUILD, f"no Horovod sdist in {self.args.wheels}: run scripts/gpu_wheels.py "
+                      "and carry gpu-wheels/")
         elif shutil.which("nvcc") is None:
             self.skip("install", HOROVOD_BUILD, "nvcc is not on PATH: the NCCL build needs the CUDA compiler")
         else:
@@ -91,7 +80,7 @@ class GpuCheck(Check):
             if rc != 0 or not wheels:
                 raise Fail(f"the build exited with status {rc}" if rc else
                            f"the build wrote no wheel into {self.horovod_wheels}", log=log)
-            target = ["--target", self.args.site, "--upgrade"] if self.args.site else []
+            target = ["--target", str(Path(self.args.site).resolve()), "--upgrade"] if self.args.wheels else []
             res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
                                   "--disable-pip-version-check", *target, str(wheels[-1])],
                                  capture_output=True, text=True)
@@ -395,6 +384,35 @@ def _first_line(cmd: list[str], containing: str = "") -> str | None:
         return None
     lines = [ln for ln in res.stdout.splitlines() if ln.strip() and containing in ln] if res.returncode == 0 else []
     return lines[0].strip() if lines else None
+
+
+def install_wheels(wheels: Path, site: Path) -> Item:
+    """The carried wheels into ``site`` (``pip install --no-index --no-deps --target``), then first on the path
+    of this process and of every process it starts: the GPU machine's python3 is itself a venv, so a
+    ``--system-site-packages`` venv made from it would not see its torch.  Run before torch is imported (the
+    wheels bring a newer typing-extensions)."""
+    found, start, site = sorted(wheels.glob("*.whl")), time.monotonic(), site.resolve()
+    item = Item("install", "carried wheels", PASSED, f"{len(found)} wheels into {site} (pip --no-index --no-deps "
+                "--target)")
+    if not found:
+        item.status, item.detail = FAILED, (f"no wheels in {wheels}/: run `.venv/bin/python scripts/gpu_wheels.py` "
+                                            "on a networked machine and carry the folder")
+    else:
+        shutil.rmtree(site, ignore_errors=True)
+        try:
+            res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
+                                  "--disable-pip-version-check", "--target", str(site), *map(str, found)],
+                                 capture_output=True, text=True, timeout=180, check=False)
+            if res.returncode != 0:
+                item.status, item.detail, item.log = FAILED, f"pip exited with status {res.returncode}", \
+                    res.stdout + res.stderr
+        except subprocess.TimeoutExpired:
+            item.status, item.detail = FAILED, "pip timed out after 180s"
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    os.environ["PATH"] = os.pathsep.join([str(site / "bin"), os.environ.get("PATH", "")])  # the launchers
+    item.seconds = time.monotonic() - start
+    return item
 
 
 def kill_group(proc: subprocess.Popen[Any]) -> None:
