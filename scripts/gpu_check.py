@@ -96,7 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         check.throughput()
         check.host_sync(early)
         check.recipes("dogcat", early)
-        check.dp_scatter()
         if check.horovod_build is not None:
             check.finish_horovod_build(check.horovod_build)
             check.recipes("cifar10", ["horovod"])

@@ -24,7 +24,6 @@ DRY_RUN_TIMEOUT_S = 360
 CUDA_ONLY = (
     "install / Horovod built with NCCL operations",
     "environment / GPU, CUDA, NCCL and cuDNN",
-    "recipes / DataParallel scatter over GPUs",
     "throughput / VGG16 224 px, 32/process, fp32",
     "throughput / VGG16 224 px, 32/process, bf16-mixed",
     "host-sync / synchronisations per step on ddp",

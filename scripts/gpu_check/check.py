@@ -161,8 +161,8 @@ class Check:
             if (nccl := nccl_dirs()) is not None:
                 env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(nccl[1]),
                                                                        os.environ.get("LD_LIBRARY_PATH")]))
-        elif _cuda_visible():
-            env["CUDA_VISIBLE_DEVICES"] = ""  # a dry run on a GPU machine stays on the CPU
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run stays on the CPU, on a GPU machine too
         return env
 
     def launch(self, backend: str, target: list[str], *, timeout_s: float, log_name: str) -> Finished:
@@ -302,9 +302,3 @@ def unavailable(backend: str) -> str | None:
 
     importlib.invalidate_caches()  # Horovod may have been installed since the last look
     return runner.unavailable(backend_class(backend))
-
-
-def _cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .check import (BACKEND_ARGS, BUDGET_S, CUDA, ENTRY, FAILED, HOROVOD_CHECKS_S, PASSED, PRECISIONS, RESERVE_S,
-                    ROOT, SYNC_EXCESS_LIMIT, Check, Fail, Item, Outcome, Settings, Skip, section_status, unavailable)
+                    ROOT, SYNC_EXCESS_LIMIT, Check, Fail, Item, Outcome, Settings, Skip, unavailable)
 
 HOROVOD_BUILD = "Horovod built with NCCL operations"
 
@@ -212,7 +212,7 @@ class GpuCheck(Check):
         figures = {"val_acc": metrics["best_val_acc"], "reference_acc": ref["acc"],
                    "val_loss": metrics["final_val_loss"], "loss_rel_diff": rel,
                    "images_per_s": metrics.get("train_images_per_s"), "launch_s": done.seconds}
-        how = f"{_launcher(backend)}, {world} process{'es' if world > 1 else ''}"
+        how = f"{parallelx.backend_class(backend).launcher.name}, {world} process{'es' if world > 1 else ''}"
         if backend == "dp":
             gpus = torch.cuda.device_count() if self.cuda else 0
             how = (f"DataParallel over {gpus} GPUs" if gpus > 1 else
@@ -249,20 +249,6 @@ class GpuCheck(Check):
             del model, on_device
             if self.cuda:
                 torch.cuda.empty_cache()
-
-    def dp_scatter(self) -> None:
-        name = "DataParallel scatter over GPUs"
-        if not self.cuda:
-            self.skip("recipes", name, "CUDA only (and needs 2 GPUs)", needs="cuda")
-            return
-        import torch
-
-        if (gpus := torch.cuda.device_count()) < 2:
-            self.skip("recipes", name, f"needs 2 GPUs, {gpus} visible: the dp runs above ran as single", needs="cuda")
-            return
-        dp = [i for i in self.items if i.section == "recipes" and i.name.endswith(" on dp")]
-        self.record(Item("recipes", name, section_status(dp), f"the dp runs above split each batch over {gpus} GPUs",
-                         needs="cuda"))
 
     # ------------------------------------------------------------ throughput
 
@@ -368,12 +354,6 @@ def sync_item(backend: str, reports: Sequence[dict[str, Any]]) -> Item:
         detail += ": something in parallelx's step or loop waits for the GPU (.item(), .cpu(), bool() of a tensor)"
     return Item("host-sync", f"synchronisations per step on {backend}", PASSED if ok else FAILED, detail, figures,
                 needs="cuda")
-
-
-def _launcher(backend: str) -> str:
-    from parallelx import backend_class
-
-    return backend_class(backend).launcher.name
 
 
 def _first_line(cmd: list[str], containing: str = "") -> str | None:
