@@ -15,7 +15,6 @@ the folder or 62 MiB for the two together.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -27,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DEST = ROOT / "gpu-wheels"
-MANIFEST = "MANIFEST.json"
 #: The GPU machine's interpreter.
 PYTHON_VERSION = "3.12"
 ABI = "cp312"
@@ -110,7 +108,7 @@ def check_folder(dest: Path, dists: Sequence[Dist] = DISTS, *, limit_mib: float 
     or doubled distribution, a wheel that CPython 3.12 on Linux x86_64 cannot
     install, or too many bytes to travel."""
     problems = []
-    files = sorted(p for p in dest.iterdir() if p.is_file() and p.name != MANIFEST) if dest.is_dir() else []
+    files = sorted(p for p in dest.iterdir() if p.is_file()) if dest.is_dir() else []
     if not files:
         return [f"{dest} holds no wheels; run `.venv/bin/python scripts/gpu_wheels.py`"]
     for stem in expected_stems(dists):
@@ -178,10 +176,6 @@ def make(dest: Path) -> None:
                 run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp),
                      d.requirement])
         run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)])
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        manifest = {"python": PYTHON_VERSION, "files": {p.name: p.stat().st_size for p in files},
-                    "dists": {d.name: {"version": d.version, "how": d.how, "why": d.why} for d in DISTS}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)

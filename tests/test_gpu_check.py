@@ -204,7 +204,6 @@ def _fill(folder: Path, gpu_wheels: ModuleType) -> None:
                 "download": f"{d.stem}-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"}[d.how]
         (folder / name).write_bytes(b"x" * 1000)
     (folder / "parallelx-0.2.0-py3-none-any.whl").write_bytes(b"x" * 1000)
-    (folder / gpu_wheels.MANIFEST).write_text("{}")
 
 
 def test_wheel_folder_check_finds_what_is_missing_doubled_foreign_or_too_big(tmp_path):
