@@ -1,15 +1,10 @@
 """What the training-loop options buy: Dogs-vs-Cats VGG16 through parallelx's
 loop, 2 processes with and without ``--accumulate`` and ``--grad-compression``,
-against 1 process with all the cores, side by side in one run.
-
-    python -m benchmarks.loops                       # 6 configurations x 6 rounds: 24 min on 2 busy CPU cores
-    python -m benchmarks.loops --smoke --out-dir /tmp/loops   # runs, measures nothing
+against 1 process with all the cores, side by side in one run (benchmarks/README.md).
 
 Each configuration is one launch of ``benchmarks.px_worker --loop`` under its
-backend's launcher, with parallelx's own flags, the launches rotating every
-round; the 1-process runs take the N processes' global micro-batch, so that
-images/s compare directly.  Writes ``results.md`` and ``summary.json`` to
-``--out-dir`` and every window time to ``--raw`` (benchmarks/README.md).
+backend's launcher, with parallelx's own flags; the 1-process runs take the N
+processes' global micro-batch, so that images/s compare directly.
 """
 
 from __future__ import annotations
@@ -118,9 +113,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"({meta['batch'] * m['nproc']} images). SGD with momentum, synthetic batches kept in memory.",
         f"- Each launch: {meta['warmup']} untimed micro-batch(es), then {meta['steps']} timed micro-batches "
         f"through `backend.batches` / `backend.step`; {meta['repeats']} round(s), the launch order rotating "
-        f"every round; {'each process pinned to its own cores' if m['bind_cores'] else 'processes not pinned'}",
-        f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f} "
-        f"(other jobs on the machine add to the spread)", "",
+        f"every round; {'each process pinned to its own cores' if m['bind_cores'] else 'processes not pinned'}", "",
         "images/s = the global batch of all processes / median time per micro-batch (an accumulation window's "
         "time divided by its micro-batches), pooled over the rounds; range: lowest and highest single round. "
         "Ratios carry a 95 % bootstrap interval over the rounds (none with fewer than 3).", "",

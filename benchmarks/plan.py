@@ -160,7 +160,8 @@ def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
         raise BenchError(f"--nproc must be >= 1, got {n}")
     # Pinning is for CPU runs only: on GPUs the cores' layout (NUMA) is the launcher's business.
     return Machine(gpus=gpus, cores=cores, nproc=n, threads_n=max(1, cores // n), threads_1=max(1, cores),
-                   comm="nccl" if gpus else "gloo", bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
+                   comm="nccl" if gpus else "gloo",
+                   bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
 
 
 def lenet(batch: int, p: Preset, save: bool, threads: int | None = None) -> Case:

@@ -57,12 +57,14 @@ def _weights(c: dict[str, Any]) -> str:
 
 
 def header(meta: dict[str, Any]) -> list[str]:
-    """The lines every report starts with: how it was run, and on what."""
+    """The lines every report starts with: how it was run, on what, and how busy the machine was."""
     hw = meta["hardware"]
     return [f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
             f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
             f"{', '.join(hw['gpus']) or 'no GPU'}",
-            "- Software: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items() if k != "parallelx")]
+            "- Software: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items() if k != "parallelx"),
+            f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f} "
+            "(other jobs on the machine add to the spread)"]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -74,7 +76,6 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Benchmark results ({meta['mode']} mode)", "", *header(meta),
         f"- Processes: {m['nproc']} per run ({m['comm']}), {m['threads_n']} torch thread(s) each; 1-process runs "
         f"use {m['threads_1']}; {pinned}",
-        f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f}",
         f"- Warm-up steps excluded; {p['repeats']} round(s) of alternating launches"
         + (f" (VGG16 in the first {min(p['vgg_repeats'], p['repeats'])})" if "vgg16" in meta["models"] else ""),
         "",

@@ -1,18 +1,9 @@
 """Run the benchmark: every available backend, through parallelx and through
-its plain hand-written script, side by side on one machine.
+its plain hand-written script, side by side on one machine (benchmarks/README.md).
 
-    python -m benchmarks.run --mode quick            # < 5 minutes on 2 CPU cores
-    python -m benchmarks.run --mode full             # real hardware: NCCL, one process per GPU
-    python -m benchmarks.run --mode smoke --out-dir /tmp/b   # what the test suite runs
-    python -m benchmarks.run --only ddp,scaling --models lenet
-
-What runs is planned in ``plan.py``, started in ``launch.py`` (each backend's
-own launcher through ``parallelx.runner``), summarised in ``stats.py`` and
-written by ``report.py``: ``results.md`` and ``summary.json`` in ``--out-dir``
-(default ``benchmarks/results/``), and every step time in ``--raw`` (default
-``runs/bench/results.json``, not committed).
-The exit status is 1 when a launch failed or final weights differ between
-parallelx and the plain script.
+What runs is planned in ``plan.py``, started in ``launch.py``, summarised in
+``stats.py`` and written by ``report.py``.  The exit status is 1 when a launch
+failed or final weights differ between parallelx and the plain script.
 """
 
 from __future__ import annotations
@@ -46,7 +37,7 @@ def add_common(p: argparse.ArgumentParser, *, out_dir: Path, raw: Path, timeout:
     p.add_argument("--out-dir", type=Path, default=out_dir, help="results.md, summary.json (default: %(default)s)")
     p.add_argument("--raw", type=Path, default=raw, help="every step time as JSON (default: %(default)s)")
     p.add_argument("--work-dir", type=Path, default=None,
-                   help="logs, plans and results of every launch, kept (default: a temp dir, removed unless one failed)")
+                   help="logs, plans and results of every launch, kept (default: a temp dir, kept if one failed)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -26,9 +26,6 @@ import parallelx.loop
 from benchmarks import plain, px_worker, workload
 from parallelx.cli import exit_on_error
 
-#: The backends that have a plain counterpart here.
-BACKENDS = ("ddp", "horovod", "deepspeed")
-
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
@@ -73,7 +70,7 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
 @exit_on_error
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", required=True, choices=BACKENDS)
+    parser.add_argument("--backend", required=True, choices=sorted(plain.FRAMEWORKS))
     parser.add_argument("--blocks", type=parallelx.cli.positive_int, default=10,
                         help="blocks of each implementation, alternating")
     parser.add_argument("--precision", choices=parallelx.loop.PRECISIONS, default="32",

@@ -8,8 +8,8 @@ but cannot download; :data:`DISTS` is the rest, for CPython 3.12 on manylinux
 x86_64: a wheel of this checkout, DeepSpeed built here without its ops (they
 compile at first use there), the wheels it and Horovod need, and Horovod's
 sdist (built there, with NCCL, by the check).  The folder travels with the
-working tree, 64 MiB in all: the script fails beyond ``--limit-mib`` (56) for
-the folder or 62 MiB for the two together.
+working tree, 64 MiB in all: the script fails beyond 56 MiB for the folder or
+62 MiB for the two together.
 """
 
 from __future__ import annotations
@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="the folder to fill (default gpu-wheels/)")
     parser.add_argument("--check", action="store_true", help="only check an existing folder; download nothing")
-    parser.add_argument("--limit-mib", type=float, default=LIMIT_MIB, help="largest size allowed (default 56)")
     args = parser.parse_args(argv)
     if not args.check:
         make(args.dest)
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(p.stat().st_size for p in files)
     print(f"[gpu-wheels] {mib(total):7.2f} MiB in {args.dest} ({len(files)} files); working tree "
           f"{mib(tree):.2f} MiB; together {mib(total + tree):.2f} MiB of the 64 MiB the device tool carries")
-    problems = check_folder(args.dest, limit_mib=args.limit_mib, tree_bytes=tree)
+    problems = check_folder(args.dest, tree_bytes=tree)
     for problem in problems:
         print(f"[gpu-wheels] error: {problem}", file=sys.stderr)
     return 1 if problems else 0
