@@ -13,13 +13,14 @@ setup:
 train: setup
 	bash scripts/train_demo.sh
 
-## The whole test suite: every backend under its real launcher.
+## The whole test suite, tier by tier: unit, multirank, launcher (every backend under its
+## real launcher), system (faults, restarts, the CLI, benchmarks).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest tests/unit tests/multirank tests/launcher tests/system
 
-## Only the in-process tests (no launcher).
+## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 30 s.
 test-fast: setup
-	$(PY) -m pytest -m "not launcher"
+	$(PY) -m pytest tests/unit tests/multirank
 
 ## The benchmark table on this machine (quick mode, about 4 minutes on 2 cores).
 bench: setup

@@ -1,3 +1,7 @@
+"""Shared by every tier.  The tiers are the folders: unit/ and multirank/ run
+in this process (no subprocess: ``make test-fast``), launcher/ under the real
+launchers, system/ whole scenarios (faults, restarts, the CLI, benchmarks)."""
+
 import os
 import sys
 from pathlib import Path
@@ -5,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+# The launch helpers and the workers the launcher tests start.
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 # Variables that a launcher (or a backend's world-of-one fallback) sets.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK")

@@ -14,7 +14,7 @@ from launching import launch, require_launcher
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
 
-SCRIPT = "tests/clients/mnist_port.py"
+SCRIPT = "tests/support/clients/mnist_port.py"
 RUNS = {
     "ddp": ("torchrun", []),
     "horovod": ("horovodrun", []),

@@ -1,6 +1,6 @@
 """The backends under their real launchers, 2 processes each, on the CPU.
 
-One launch per backend runs every check (``tests/dist_worker.py``); the tests
+One launch per backend runs every check (``tests/support/dist_worker.py``); the tests
 below read what each rank reported.  The training checks use gradient norms in
 the hundreds, momentum, weight decay and an LR schedule, with the protocol in
 both forms (``setup`` and ``wrap_model`` + ``wrap_optimizer``): a backend that
@@ -41,7 +41,7 @@ def job(request, tmp_path_factory):
     launcher, backend, extra = CASES[request.param]
     require_launcher(launcher)
     out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/dist_worker.py", "--backend", backend, "--out", str(out), *extra])
+    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(out), *extra])
     assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return {"out": out, "reports": reports, "backend": backend}

@@ -1,6 +1,6 @@
 """Gathering and synchronised BatchNorm under the real launchers, 2 processes
 each, on the CPU: one launch per launcher runs every check
-(``tests/gather_worker.py``); the tests below read what each rank reported."""
+(``tests/support/gather_worker.py``); the tests below read what each rank reported."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def job(request, tmp_path_factory):
     launcher, backend, extra = CASES[request.param]
     require_launcher(launcher)
     out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/gather_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
+    res = launch(launcher, ["tests/support/gather_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
     assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [rep["world_size"] for rep in reports] == [2, 2]

@@ -1,5 +1,5 @@
 """Training-state checkpoints under the real launchers, 2 processes each
-(``tests/trainstate_worker.py``, SGD with momentum and AdamW in every launch).
+(``tests/support/trainstate_worker.py``, SGD with momentum and AdamW in every launch).
 
 Per backend: save after 3 steps and train 2 more (A), then reload into fresh
 objects and train 2 more (B): A == B bitwise.  The file's optimizer state is
@@ -45,7 +45,7 @@ def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if source is not None:
             extra = [*extra, "--load-from", str(run_case(source, tmp_path_factory))]
         out = tmp_path_factory.mktemp(name)
-        res = launch(launcher, ["tests/trainstate_worker.py", "--backend", backend, "--out", str(out), *extra],
+        res = launch(launcher, ["tests/support/trainstate_worker.py", "--backend", backend, "--out", str(out), *extra],
                      timeout=240)
         assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
         _done[name] = out

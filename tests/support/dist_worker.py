@@ -2,7 +2,7 @@
 launcher (or plain python for single/dp) and write ``rank<N>.json`` with what
 each rank saw.  ``tests/test_distributed.py`` asserts on those files.
 
-    torchrun --nproc-per-node 2 tests/dist_worker.py --backend ddp --out DIR
+    torchrun --nproc-per-node 2 tests/support/dist_worker.py --backend ddp --out DIR
 
 The training checks use the card's protocol as a user writes it: one model
 set up with ``backend.setup(model, optimizer)``, a second with the two calls

@@ -3,7 +3,7 @@ torchrun, horovodrun or the deepspeed launcher with 2 processes; each rank
 writes ``rank<N>.json`` with what it saw, and ``tests/test_gather_launch.py``
 asserts on those files.
 
-    torchrun --nproc-per-node 2 tests/gather_worker.py --backend ddp --out DIR
+    torchrun --nproc-per-node 2 tests/support/gather_worker.py --backend ddp --out DIR
 
 The synchronised-BatchNorm check trains nothing: it compares each rank's
 output, input gradient and (summed) parameter gradients with one process on

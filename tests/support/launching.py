@@ -20,7 +20,7 @@ import torch
 from parallelx import backend_class, runner
 from parallelx.launch import Launcher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 # Which backend's launcher each launcher name means in the tests.

@@ -1,7 +1,7 @@
 """Training-state checkpoints under a real launcher: save, continue, reload, continue.
 
-    torchrun --nproc-per-node 2 tests/trainstate_worker.py --backend ddp --out DIR
-    deepspeed --num_gpus 2 tests/trainstate_worker.py --backend deepspeed --zero-stage 3 --out DIR
+    torchrun --nproc-per-node 2 tests/support/trainstate_worker.py --backend ddp --out DIR
+    deepspeed --num_gpus 2 tests/support/trainstate_worker.py --backend deepspeed --zero-stage 3 --out DIR
 
 For SGD with momentum and for AdamW: train 3 steps, save, train 2 more
 (weights A); then build everything afresh (other initial weights), load the

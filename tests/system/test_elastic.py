@@ -1,7 +1,7 @@
 """Elastic Horovod: a worker killed with SIGKILL does not end the job.
 
 ``horovodrun --min-np 1 --max-np 2 --host-discovery-script`` runs
-tests/elastic_worker.py on this machine under two host names (``localhost``
+tests/support/elastic_worker.py on this machine under two host names (``localhost``
 and ``127.0.0.1``, one slot each): Horovod blacklists the whole host of a
 failed worker, so with a single name the job would end with its first loss.
 One of the two workers is SIGKILLed in the first epoch (by itself, or by the
@@ -50,7 +50,7 @@ def elastic_job(tmp: Path, worker_args: list[str], while_running=None, timeout: 
     (tmp / "logs").mkdir()
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(discover), "--gloo", "--network-interface", "lo",
-           str(BIN / "python"), "tests/elastic_worker.py", "--run-dir", str(tmp / "run"),
+           str(BIN / "python"), "tests/support/elastic_worker.py", "--run-dir", str(tmp / "run"),
            "--log-dir", str(tmp / "logs"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
            "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", GLOO_SOCKET_IFNAME="lo",
@@ -166,7 +166,7 @@ def test_the_recipe_survives_a_killed_worker(tmp_path):
     discover.chmod(0o755)
     out = tmp_path / "out"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-           str(discover), "--gloo", "--network-interface", "lo", str(BIN / "python"), "tests/resume_wrapper.py",
+           str(discover), "--gloo", "--network-interface", "lo", str(BIN / "python"), "tests/support/resume_wrapper.py",
            "--backend", "horovod", "--data-dir", str(data), "--out-dir", str(out), "--epochs", "2",
            "--batch-size", "16", "--num-workers", "0", "--checkpoint-every", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", PARALLELX_TIMEOUT="60",

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
     require_launcher(launcher)
     # Rank 1 raises with its model and optimizer set up (process group, engine, threads alive).
-    res = launch(launcher, ["tests/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
+    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
                             "--scenario", "raise"], timeout=180)
     assert res.returncode != 0
     assert "rank 1 fails on purpose" in res.output
@@ -33,7 +33,7 @@ def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
 def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
     require_launcher(launcher)
     # Rank 1 sleeps 120 s; rank 0's all_reduce must give up after the 5 s timeout.
-    res = launch(launcher, ["tests/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
+    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
                             "--scenario", "stall", "--timeout", "5"], timeout=110)
     assert res.returncode != 0
     report = json.loads((tmp_path / "stall0.json").read_text())
@@ -43,7 +43,7 @@ def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
 
 def run_worker(args: list[str], prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
     code = prelude + "\nimport runpy, sys\nsys.argv = ['dist_worker.py'] + sys.argv[1:]\n" \
-                     "runpy.run_path('tests/dist_worker.py', run_name='__main__')\n"
+                     "runpy.run_path('tests/support/dist_worker.py', run_name='__main__')\n"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120, env=env)
 

@@ -245,7 +245,7 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
             *(["--zero-stage", "2"] if backend == "deepspeed" else [])]
 
     out, pids = tmp_path / "two", tmp_path / "pids"
-    target = ["tests/resume_wrapper.py", *args, "--out-dir", str(out), "--resume", "auto"]
+    target = ["tests/support/resume_wrapper.py", *args, "--out-dir", str(out), "--resume", "auto"]
 
     def nodes() -> list[list[str]]:
         return [[*cmd[:1], "--max-restarts", "2", *cmd[1:]] for cmd in torchrun_nodes(target, free_port(), tmp_path)]

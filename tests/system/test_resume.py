@@ -4,7 +4,7 @@ optimizer steps: 2 processes x 16 images x --accumulate 2, a cosine schedule
 with warm-up; and once the Dogs-vs-Cats recipe).
 
 The reference is one uninterrupted ``torchrun`` run without any checkpoint
-option.  Faults come from ``tests/resume_wrapper.py`` (the recipe with a
+option.  Faults come from ``tests/support/resume_wrapper.py`` (the recipe with a
 SIGKILL or SIGTERM injected at a chosen point of a chosen attempt and rank)
 or from the test itself (SIGKILL to a rank, SIGTERM to the launcher):
 
@@ -65,7 +65,7 @@ def job(launcher: str, args: list[str], out: Path, data: Path, *, nproc: int = 2
     require_launcher(launcher)
     spec = launcher_for(launcher)
     port = free_port()
-    target = "tests/resume_wrapper.py" if wrapper else "recipes/cifar10.py"
+    target = "tests/support/resume_wrapper.py" if wrapper else "recipes/cifar10.py"
     cmd = spec.command([target, "--data-dir", str(data), "--out-dir", str(out), "--batch-size", str(batch),
                         "--num-workers", str(workers), *ARGS, *args], nproc, port=port)
     if restarts is not None:

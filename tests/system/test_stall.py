@@ -1,5 +1,5 @@
 """A rank that stalls (alive, but never reaching the next collective) ends
-the job after the configured timeout, on every backend (``tests/stall_worker.py``).
+the job after the configured timeout, on every backend (``tests/support/stall_worker.py``).
 
 DDP relies on Gloo's own timeout; Horovod's Gloo controller and DeepSpeed's
 CPU all-reduce wait for ever by themselves, so parallelx's watchdog ends the
@@ -42,7 +42,7 @@ CASES = {
 def test_sleeping_rank_ends_the_job(case, tmp_path):
     launcher, backend, extra = CASES[case]
     require_launcher(launcher)
-    res = launch(launcher, ["tests/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
+    res = launch(launcher, ["tests/support/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
                             "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
     assert res.returncode != 0, res.tail()
     assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
@@ -57,7 +57,7 @@ def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
     require_launcher(launcher)
     spec = launcher_for(launcher)
     port = free_port()
-    cmd = spec.command(["tests/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
+    cmd = spec.command(["tests/support/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
                         "--out", str(tmp_path), "--freeze", "external"], 2, port=port)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            **spec.env()}

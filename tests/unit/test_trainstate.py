@@ -4,12 +4,7 @@ across world sizes (ranks simulated with ShardedSampler(num_replicas, rank))."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +17,7 @@ import parallelx
 from parallelx import MetricSums, ParallelxError, ShardedSampler
 from parallelx.trainstate import latest_checkpoint, load_training_state, save_training_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -113,41 +108,8 @@ def test_leftovers_of_a_crashed_write_are_ignored(backend, tmp_path):
     assert not torn.exists(), "leftovers are removed after the next complete save"
 
 
-CRASH_SCRIPT = """
-import sys, torch, parallelx
-sys.path.insert(0, 'tests')
-from trainstate_worker import Run
-with parallelx.get_backend('single') as backend:
-    run = Run(backend, 'adamw', hidden=600)
-    print('ready', flush=True)
-    while True:
-        run.train(1)
-        run.save(sys.argv[1], keep=2)
-"""
 
 
-def test_sigkill_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
-    rng = random.Random(0)
-    loads = 0
-    for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            time.sleep(0.3 + rng.random())
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        path = latest_checkpoint(tmp_path)
-        if path is None:
-            continue
-        for f in path.iterdir():
-            torch.load(f, weights_only=True)  # complete: every file reads
-        with parallelx.get_backend("single") as backend:
-            run = Run(backend, "adamw", hidden=600)
-            run.load(path)
-        loads += 1
-    assert loads >= 2, "the writer was killed before any checkpoint was complete; give it more time"
 
 
 def _one_line_error(exc: pytest.ExceptionInfo) -> str:
@@ -308,7 +270,6 @@ def test_deepspeed_fp16_loss_scale_survives_a_checkpoint(holder, tmp_path, monke
 
     import deepspeed.runtime.fp16.loss_scaler as ds_scaler
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig
-
     from parallelx.backends import _deepspeed_zero as zero_state
 
     # Its overflow messages ask deepspeed.comm for the rank, which wants a process group.

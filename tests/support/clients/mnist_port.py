@@ -1,9 +1,9 @@
 """pytorch/examples' MNIST script, ported to parallelx the way the README shows:
 the same file runs under python, torchrun, horovodrun and the deepspeed launcher.
 
-    torchrun --nproc-per-node 2 tests/clients/mnist_port.py --data-dir DIR
-    horovodrun -np 2 python tests/clients/mnist_port.py --data-dir DIR
-    deepspeed --num_gpus 2 tests/clients/mnist_port.py --data-dir DIR --zero-stage 2
+    torchrun --nproc-per-node 2 tests/support/clients/mnist_port.py --data-dir DIR
+    horovodrun -np 2 python tests/support/clients/mnist_port.py --data-dir DIR
+    deepspeed --num_gpus 2 tests/support/clients/mnist_port.py --data-dir DIR --zero-stage 2
 
 What a user changes from the original: the backend's argparse options, ``with
 backend``, ``wrap_model`` / ``wrap_optimizer``, ``backend.backward``, a sharded

@@ -1,0 +1,65 @@
+"""The package and its command line as a user meets them, each in a fresh
+process: what `import parallelx` loads, `python -m parallelx env` and
+`launch`, the wheel's contents."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from launching import ROOT
+
+import parallelx
+
+
+def test_import_parallelx_imports_no_heavy_backend_package():
+    code = ("import sys, parallelx, parallelx.backends.horovod, parallelx.backends.deepspeed, "
+            "parallelx.registry as r\n"
+            "r.available_backends(); r.detect_backend({}, [])\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('horovod', 'deepspeed')]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_env_report_lists_every_backend():
+    proc = subprocess.run([sys.executable, "-m", "parallelx", "env"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"torch       {torch.__version__}" in proc.stdout
+    for name in ("single", "dp", "ddp", "horovod", "deepspeed"):
+        assert any(line.split()[1:2] == [name] for line in proc.stdout.splitlines() if "]" in line), name
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("parallelx-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"parallelx"}, top
+    for module in ("parallelx/backends/deepspeed.py", "parallelx/recipes/dogcat.py", "parallelx/launch.py"):
+        assert module in names
+
+
+def test_launch_command_comes_from_the_backends_declaration():
+    for name in ("ddp", "horovod", "deepspeed", "single"):
+        proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", name, "-n", "3", "--dry-run", "--",
+                               "-m", "recipes.cifar10", "--epochs", "1"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        expected = parallelx.backend_class(name).launcher.command(["-m", "recipes.cifar10", "--epochs", "1",
+                                                                   "--backend", name],
+                                                                  3 if name != "single" else 1, port=1)
+        got = proc.stdout.split()
+        # Same command but for the free port each call picks.
+        assert [w for w in got if not w.isdigit()] == [w for w in expected if not w.isdigit()], got
+    proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", "ddp"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "nothing to launch" in proc.stderr and "Traceback" not in proc.stderr
