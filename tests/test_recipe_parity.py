@@ -2,6 +2,14 @@
 and 2 loader workers per process, under each launcher at world size 2: the
 final weights (``last.pth``) agree across ddp, horovod and deepspeed ZeRO 0-3.
 
+The warm-up (4 of the 6 optimizer steps, more than the 3 of an epoch) keeps
+the learning rate low while the clip binds at some steps (norms 0.4 to 1.2
+against 0.5): where ZeRO's own clipping arithmetic once set ZeRO 1-3 apart,
+by a few units in the last place per clipped step (3e-8 here, 1e-5 to 2e-2
+on longer runs, where LeNet's kinks grow it).  So the backends that reduce
+the gradients once per accumulation window, as ddp does, must give ddp's
+weights to the bit: with 2 ranks their averaged gradients are ddp's bits.
+
 The data order, the augmentation draws (random flips in the loader workers,
 seeded per rank) and the dropout-free LeNet's update are the same on every
 backend, whatever a backend's set-up draws from the random generators; the
@@ -18,9 +26,11 @@ from launching import backend_cases, launch, require_launcher
 
 RUNS = backend_cases()
 OPTIONS = ["--epochs", "2", "--batch-size", "16", "--lr", "0.05", "--accumulate", "3", "--clip-grad-norm", "0.5",
-           "--precision", "bf16-mixed", "--lr-schedule", "cosine", "--warmup-epochs", "0.5",
+           "--precision", "bf16-mixed", "--lr-schedule", "cosine", "--warmup-epochs", "1.5",
            "--num-workers", "1"]
 REL_TOL = 1e-6
+#: Gradients reduced once per window, as ddp's (ZeRO 2 and 3 reduce every micro-batch).
+REDUCES_ONCE = {"horovod", "deepspeed-zero0", "deepspeed-zero1"}
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
 _DONE: dict[str, Path] = {}
@@ -54,3 +64,5 @@ def test_recipe_weights_equal_across_backends(run, cifar_dir, tmp_path):
     assert a.keys() == b.keys()
     err = max(float((a[k].float() - b[k].float()).norm() / max(b[k].float().norm(), 1e-12)) for k in b)
     assert err < REL_TOL, f"{run} vs {first}: {err:.3g}"
+    if run in REDUCES_ONCE and first == "ddp":
+        assert all(torch.equal(a[k], b[k]) for k in b), f"{run} rounds differently from ddp: {err:.3g}"
