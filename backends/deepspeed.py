@@ -13,24 +13,23 @@ a :class:`DeepSpeedOptimizer`, a ``torch.optim.Optimizer`` whose ``step()`` and
 The config comes from the constructor (``micro_batch_size``, ``zero_stage``)
 or from a user's JSON file (``config="ds_config.json"``); options given
 explicitly override the file.  DeepSpeed's own defaults that change the update
-are turned off unless the file sets them (see :data:`PLAIN_MATH`); a file
+are turned off unless the file sets them (``_deepspeed_config.PLAIN_MATH``); a file
 that does set one is honoured, and a warning says that the math now differs
 from the other backends.  Without a GPU DeepSpeed picks its CPU accelerator
 and communicates over Gloo.
 
-Checkpoints hold the ZeRO 1-3 optimizer state whole, in ``torch.optim``'s
-layout, whatever the stage and world size: ``_deepspeed_zero`` gathers and
-scatters it.
+Private helpers beside it: ``_deepspeed_config`` builds the config,
+``_deepspeed_engine`` holds the model and optimizer adapters, and
+``_deepspeed_zero`` gathers and scatters the ZeRO 1-3 optimizer state (whole,
+in ``torch.optim``'s layout, whatever the stage and world size) and clips the
+ZeRO 1-3 gradients as torch does.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import dataclasses
 import datetime as _dt
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -41,26 +40,16 @@ import torch
 from torch import nn
 
 from parallelx.backends import _deepspeed_zero as zero_state
+from parallelx.backends._deepspeed_config import PLAIN_MATH, adopt_config, build_config, engine_clips  # noqa: F401
+from parallelx.backends._deepspeed_config import math_changes, read_config
+from parallelx.backends._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
-from parallelx.loop import LoopOptions
 from parallelx.precision import EnginePrecision, Precision
 from parallelx.process_group import ProcessGroupBackend
-from parallelx.state import keep_rng_state
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
-
-#: Config entries whose DeepSpeed default (or a value a user sets) makes the
-#: update differ from one process on the global batch, with the plain value
-#: parallelx uses.  ``gradient_clipping`` defaults to 1.0 since DeepSpeed 0.19.3.
-PLAIN_MATH: dict[str, Any] = {
-    "gradient_clipping": 0.0,
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-}
-#: Further entries that change the math when a user's config enables them.
-_MATH_SECTIONS = ("fp16", "bf16", "amp", "torch_autocast")
 
 
 def remove_shm_buffers(port: str | int | None, addr: str | None = "*", rank: int | str = "*") -> None:
@@ -83,122 +72,6 @@ DEEPSPEED = Launcher(
     shown="file",
     cleanup=remove_shm_buffers,
 )
-
-
-class DeepSpeedModel(nn.Module):
-    """What ``wrap_model`` returns: the user's module (``.module``) and, once
-    built, its DeepSpeed engine (``.engine``).  Calls go through the engine;
-    attributes the wrapper lacks are the engine's (``model.save_checkpoint``)."""
-
-    def __init__(self, backend: DeepSpeedBackend, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        # Not registered as submodules: the engine holds the same module again.
-        object.__setattr__(self, "_backend", backend)
-        object.__setattr__(self, "engine", None)
-        object.__setattr__(self, "trains", False)  # built with an optimizer
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None:
-            with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
-                self._backend._build(self, None)  # no optimizer came: an engine for inference
-        with self._backend._watch("forward (ZeRO-3 gathers parameters in it)"):
-            return self.engine(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> DeepSpeedModel:
-        super().train(mode)
-        if self.engine is not None:
-            self.engine.train(mode)
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            engine = self.__dict__.get("engine")
-            if engine is None:
-                raise
-            return getattr(engine, name)
-
-
-class DeepSpeedOptimizer(torch.optim.Optimizer):
-    """The optimizer side of a DeepSpeed engine, as a ``torch.optim.Optimizer``.
-
-    ``step()`` runs ``engine.step()`` (gradient reduction at the boundary,
-    the ZeRO update, the engine's step counters); ``zero_grad()`` clears the
-    engine's gradients.  ``param_groups``, ``state`` and ``defaults`` are the
-    engine's optimizer's, so an LR scheduler's changes reach the update.
-    """
-
-    # Optimizer.__init__ is not called: it would build param groups of its own,
-    # and these must be the very ones DeepSpeed's optimizer steps with.
-    def __init__(self, engine: Any, optimizer: Any, params: list[nn.Parameter] | None = None) -> None:
-        self.engine = engine
-        self.optimizer = optimizer
-        #: The trained parameters in the user's groups' order (ZeRO replaces
-        #: them in ``param_groups`` by its flat partitions): the order in which
-        #: the clipping norm adds them up, as torch's does.
-        self.trained_params: list[nn.Parameter] = list(params or [])
-        self._optimizer_step_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return getattr(self.optimizer, "defaults", {})
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ParallelxError("deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps "
-                                 "after backend.backward(loss)")
-        self.engine.step()
-        for hook in list(self._optimizer_step_post_hooks.values()):  # torch.optim's step hooks (parallelx.buffers)
-            hook(self, (), {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise ParallelxError("deepspeed: parameter groups cannot be added after the engine is built; "
-                             "give every group to the optimizer before wrap_optimizer")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedOptimizer({type(self.optimizer).__name__})"
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
 
 class DeepSpeedBackend(ProcessGroupBackend):
@@ -225,53 +98,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
             raise ParallelxError(f"deepspeed: gradient_accumulation_steps must be >= 1, "
                                  f"got {gradient_accumulation_steps}")
-        user = _read_config(config)
-        self.math_changes = _math_changes(user)
-        self.options = _adopt_config(self.options, user, gradient_accumulation_steps)
+        user = read_config(config)
+        self.math_changes = math_changes(user)
+        self.options = adopt_config(self.options, user, gradient_accumulation_steps)
         self._config_inputs = (user, zero_stage, micro_batch_size)
-        self.config = self._build_config(user, zero_stage, micro_batch_size, self.options)
+        self.config = build_config(user, zero_stage, micro_batch_size, self.options)
         self._models: list[DeepSpeedModel] = []
         self._warn_rounding()
-
-    @staticmethod
-    def _build_config(user: dict[str, Any], zero_stage: int | None, micro_batch_size: int | None,
-                      options: LoopOptions) -> dict[str, Any]:
-        cfg = json.loads(json.dumps(user))  # a deep copy we may edit
-        if micro_batch_size is not None:
-            cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
-            cfg.pop("train_batch_size", None)  # recomputed by DeepSpeed from micro x gas x world
-        # Only DeepSpeed's bookkeeping reads it: parallelx marks the windows'
-        # boundaries itself and divides the loss once (Backend.backward).
-        cfg["gradient_accumulation_steps"] = options.accumulate
-        if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
-            # Only DeepSpeed's bookkeeping reads it: the data loader is ours.
-            cfg["train_micro_batch_size_per_gpu"] = 1
-        zero = cfg.setdefault("zero_optimization", {})
-        if not isinstance(zero, dict):
-            raise ParallelxError(f"deepspeed: config entry zero_optimization must be an object, got {zero!r}")
-        if zero_stage is not None:
-            zero["stage"] = zero_stage
-        zero.setdefault("stage", 0)
-        if zero["stage"] not in (0, 1, 2, 3):
-            raise ParallelxError(f"deepspeed: zero_optimization.stage must be 0, 1, 2 or 3, got {zero['stage']!r}")
-        for key, value in PLAIN_MATH.items():
-            cfg.setdefault(key, value)
-        if options.precision == "16-mixed":
-            # DeepSpeed's own float16 engine: fp32 master weights, its dynamic loss scaler.
-            fp16 = cfg.setdefault("fp16", {})
-            fp16["enabled"] = True
-            fp16.setdefault("loss_scale", 0)
-        # parallelx clips the averaged gradients as torch does (whole under ZeRO 0,
-        # each rank's share under ZeRO 1-3: _clip_gradients); only where the
-        # engine keeps copies that parallelx does not see does the engine clip,
-        # with its own arithmetic.
-        cfg["gradient_clipping"] = (options.clip_grad_norm or 0.0) if _engine_clips(cfg) else 0.0
-        if options.wire_dtype is not None:
-            cfg["communication_data_type"] = options.grad_compression
-        # Plain torch optimizers (SGD) are what the recipes use; ZeRO runs them fine.
-        cfg.setdefault("zero_allow_untested_optimizer", True)
-        cfg.setdefault("steps_per_print", 2**31 - 1)
-        return cfg
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -366,7 +199,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
     # ------------------------------------------------------ the training loop
     def _options_changed(self) -> None:
-        self.config = self._build_config(*self._config_inputs, self.options)
+        self.config = build_config(*self._config_inputs, self.options)
         self._warn_rounding()
 
     def _warn_rounding(self) -> None:
@@ -393,7 +226,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         engine.backward(loss, scale_wrt_gas=False)
 
     def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
-        if _engine_clips(self.config):
+        if engine_clips(self.config):
             return None  # the engine clips inside its step (gradient_clipping in the config)
         if self.zero_stage == 0:
             return super()._clip_gradients(optimizer, max_norm)
@@ -442,7 +275,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise ParallelxError("deepspeed: no model has an optimizer yet; call "
                                  "`optimizer = backend.wrap_optimizer(optimizer)` (or backend.setup(model, "
                                  "optimizer)) before backend.backward(loss)")
-        used = _graph_parameters(loss)
+        used = graph_parameters(loss)
         hits = [m for m in trained if any(id(p) in used for p in m.module.parameters())]
         if len(hits) == 1:
             return hits[0].engine
@@ -535,78 +368,3 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
 #: DeepSpeed engine counters that a training-state checkpoint restores.
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
-
-
-def _read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))
-    path = Path(config)
-    if not path.is_file():
-        raise ParallelxError(f"deepspeed: config file {path} does not exist")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ParallelxError(f"deepspeed: config file {path} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ParallelxError(f"deepspeed: config file {path} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
-def _engine_clips(cfg: Mapping[str, Any]) -> bool:
-    """True when the engine, not parallelx, must clip: its fp16/bf16 engines
-    keep (loss-scaled) copies of the gradients, and ZeRO with the optimizer
-    offloaded moves them to the CPU during the backward; parallelx sees
-    neither before the step."""
-    casts = any(isinstance(cfg.get(k), Mapping) and bool(cfg[k].get("enabled")) for k in ("fp16", "bf16"))
-    zero = cfg["zero_optimization"]
-    offload = zero.get("offload_optimizer")
-    offloaded = isinstance(offload, Mapping) and offload.get("device") not in (None, "none")
-    return casts or (zero["stage"] >= 1 and offloaded)
-
-
-def _adopt_config(options: LoopOptions, user: Mapping[str, Any], gas: int | None) -> LoopOptions:
-    """Loop options completed from a user's config: its accumulation steps and
-    clipping become the options the loop applies on this backend (explicit
-    options win), so a config file still means what it says."""
-    changes: dict[str, Any] = {}
-    if gas is not None:
-        changes["accumulate"] = gas
-    elif options.accumulate == 1 and user.get("gradient_accumulation_steps", 1) not in (1, "auto"):
-        changes["accumulate"] = int(user["gradient_accumulation_steps"])
-    clip = user.get("gradient_clipping")
-    if options.clip_grad_norm is None and isinstance(clip, (int, float)) and clip > 0:
-        changes["clip_grad_norm"] = float(clip)
-    return dataclasses.replace(options, **changes) if changes else options
-
-
-def _math_changes(user: Mapping[str, Any]) -> list[str]:
-    """The entries of a user's config that make the update differ from plain PyTorch."""
-    changes = [f"{k}={user[k]!r}" for k, plain in PLAIN_MATH.items() if k in user and user[k] != plain]
-    changes += [f"{k}.enabled=true" for k in _MATH_SECTIONS
-                if isinstance(user.get(k), Mapping) and user[k].get("enabled") not in (None, False)]
-    if user.get("communication_data_type") not in (None, "fp32"):
-        changes.append(f"communication_data_type={user['communication_data_type']!r}")
-    if user.get("gradient_accumulation_steps", 1) != 1:
-        changes.append(f"gradient_accumulation_steps={user['gradient_accumulation_steps']!r}")
-    if "scheduler" in user:
-        changes.append("a scheduler (stepped inside optimizer.step())")
-    return changes
-
-
-def _graph_parameters(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors (parameters) that ``loss``'s autograd graph reaches."""
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if var is not None:
-            found.add(id(var))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found

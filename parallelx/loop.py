@@ -30,9 +30,9 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from . import precision as amp
 from .errors import ParallelxError
 from .log import warn
-from . import precision as amp
 
 T = TypeVar("T")
 

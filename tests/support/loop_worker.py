@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import parallelx  # noqa: E402
 from parallelx.errors import ParallelxError  # noqa: E402

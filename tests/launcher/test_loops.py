@@ -1,6 +1,6 @@
 """The training-loop options under the real launchers, 2 processes on the CPU,
 against plain PyTorch in one process on the same global batches
-(``tests/loop_worker.py``: one launch per backend runs every case).
+(``tests/support/loop_worker.py``: one launch per backend runs every case).
 
 Tolerances, relative to the weights' norm after 3 to 4 steps of SGD with
 momentum, weight decay, a schedule and gradient norms in the tens:
@@ -57,7 +57,7 @@ def job(request, tmp_path_factory):
     launcher, backend, extra = CASES[request.param]
     require_launcher(launcher)
     out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/loop_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
+    res = launch(launcher, ["tests/support/loop_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
     assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     _JOBS[request.param] = {"out": out, "reports": reports}

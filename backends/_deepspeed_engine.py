@@ -1,0 +1,151 @@
+"""What the ``deepspeed`` backend hands out: the model and the optimizer
+sides of a DeepSpeed engine, as an ``nn.Module`` and a ``torch.optim.Optimizer``.
+
+Not a backend (the leading underscore): the registry names its modules
+explicitly.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelx.errors import ParallelxError
+from parallelx.state import keep_rng_state
+
+
+class DeepSpeedModel(nn.Module):
+    """What ``wrap_model`` returns: the user's module (``.module``) and, once
+    built, its DeepSpeed engine (``.engine``).  Calls go through the engine;
+    attributes the wrapper lacks are the engine's (``model.save_checkpoint``)."""
+
+    def __init__(self, backend: Any, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        # Not registered as submodules: the engine holds the same module again.
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "engine", None)
+        object.__setattr__(self, "trains", False)  # built with an optimizer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
+                self._backend._build(self, None)  # no optimizer came: an engine for inference
+        with self._backend._watch("forward (ZeRO-3 gathers parameters in it)"):
+            return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> DeepSpeedModel:
+        super().train(mode)
+        if self.engine is not None:
+            self.engine.train(mode)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            engine = self.__dict__.get("engine")
+            if engine is None:
+                raise
+            return getattr(engine, name)
+
+
+class DeepSpeedOptimizer(torch.optim.Optimizer):
+    """The optimizer side of a DeepSpeed engine, as a ``torch.optim.Optimizer``.
+
+    ``step()`` runs ``engine.step()`` (gradient reduction at the boundary,
+    the ZeRO update, the engine's step counters); ``zero_grad()`` clears the
+    engine's gradients.  ``param_groups``, ``state`` and ``defaults`` are the
+    engine's optimizer's, so an LR scheduler's changes reach the update.
+    """
+
+    # Optimizer.__init__ is not called: it would build param groups of its own,
+    # and these must be the very ones DeepSpeed's optimizer steps with.
+    def __init__(self, engine: Any, optimizer: Any, params: list[nn.Parameter] | None = None) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        #: The trained parameters in the user's groups' order (ZeRO replaces
+        #: them in ``param_groups`` by its flat partitions): the order in which
+        #: the clipping norm adds them up, as torch's does.
+        self.trained_params: list[nn.Parameter] = list(params or [])
+        self._optimizer_step_pre_hooks: dict[int, Any] = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Any] = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return getattr(self.optimizer, "defaults", {})
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ParallelxError("deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps "
+                                 "after backend.backward(loss)")
+        self.engine.step()
+        for hook in list(self._optimizer_step_post_hooks.values()):  # torch.optim's step hooks (parallelx.buffers)
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ParallelxError("deepspeed: parameter groups cannot be added after the engine is built; "
+                             "give every group to the optimizer before wrap_optimizer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedOptimizer({type(self.optimizer).__name__})"
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def graph_parameters(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors (parameters) that ``loss``'s autograd graph reaches."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if var is not None:
+            found.add(id(var))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
