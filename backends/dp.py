@@ -12,7 +12,6 @@ With fewer than two GPUs (or ``device="cpu"``) it runs exactly like ``single``.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
