@@ -9,13 +9,13 @@ clips, rescales or double-steps by default is off by far more than REL_TOL.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from launching import ROOT, backend_cases, launch, require_launcher
+from core_runs import core_run, section_reports
+from launching import ROOT, backend_cases
 
 CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must gather them collectively
 # Relative tolerance on the weights after 5 SGD steps: only the order of float
@@ -24,7 +24,7 @@ CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must 
 REL_TOL = 1e-6
 DATASET_SIZE = 23
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 BLOCK_BACKEND_PACKAGES = """
 import sys
@@ -38,13 +38,9 @@ sys.meta_path.insert(0, _Block())
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
-    launcher, backend, extra = CASES[request.param]
-    require_launcher(launcher)
-    out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(out), *extra])
-    assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {"out": out, "reports": reports, "backend": backend}
+    out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
+    return {"out": out / "dist", "reports": section_reports(request.param, "dist", tmp_path_factory),
+            "backend": CASES[request.param][1]}
 
 
 def test_world_and_detection(job):

@@ -4,28 +4,24 @@ each, on the CPU: one launch per launcher runs every check
 
 from __future__ import annotations
 
-import json
 
 import pytest
-from launching import backend_cases, launch, require_launcher
+from core_runs import core_run, section_reports
+from launching import backend_cases
 
 # ZeRO-3 partitions the parameters: the converted BatchNorm must still see whole ones.
-CASES = backend_cases("ddp", "horovod", "deepspeed-zero3")
+CASES = backend_cases()
 DATASET_SIZE = 23
 # Float32 results against one process; the statistics are summed in float64.
 TOL = 1e-6
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
-    launcher, backend, extra = CASES[request.param]
-    require_launcher(launcher)
-    out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/support/gather_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
-    assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    _, res = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
+    reports = section_reports(request.param, "gather", tmp_path_factory)
     assert [rep["world_size"] for rep in reports] == [2, 2]
     _OUTPUT[request.param] = res.output
     return reports

@@ -31,11 +31,11 @@ run) shows there, where no tolerance can tell it from an order of additions.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from launching import backend_cases, launch, require_launcher
+from core_runs import core_run, section_reports
+from launching import backend_cases
 
 CASES = backend_cases()
 # ZeRO 2 and 3 keep only a shard of the gradients on each rank, so they must
@@ -48,18 +48,14 @@ TOL = {"accumulate-clip": 1e-6, "plain": 1e-6, "clip-only": 1e-6, "bf16-mixed": 
 
 GRID_TOL = {"32": 1e-6, "bf16-mixed": 2e-2}
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 _JOBS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
-    launcher, backend, extra = CASES[request.param]
-    require_launcher(launcher)
-    out = tmp_path_factory.mktemp(request.param)
-    res = launch(launcher, ["tests/support/loop_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=240)
-    assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    out = core_run(request.param, tmp_path_factory)[0] / "loops"  # the case's one core launch (conftest.py)
+    reports = section_reports(request.param, "loops", tmp_path_factory)
     _JOBS[request.param] = {"out": out, "reports": reports}
     return {"name": request.param, "out": out, "reports": reports}
 

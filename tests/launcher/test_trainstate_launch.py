@@ -14,42 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, require_launcher
+from core_runs import core_run
+from launching import backend_cases
 from trainstate_worker import max_diff
 
-# ZeRO 1 shares ZeRO 2's optimizer (stage_1_and_2) and so its gathering and
-# scattering of the optimizer state; it is left out to keep the suite short.
-CASES = {
-    "deepspeed-zero2": ("deepspeed", "deepspeed", ["--zero-stage", "2"]),
-    "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
-    "ddp": ("torchrun", "ddp", []),
-    "horovod": ("horovodrun", "horovod", []),
-}
+# Every backend case: the section rides in each case's core launch anyway.
+CASES = backend_cases()
 OPTIMIZERS = ("sgd", "adamw")
 # Across backends only the order of float additions in the gradient average differs.
 REL_TOL = 1e-6
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
-
-_done: dict[str, Path] = {}
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
 def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Launch one case once per session; the ddp case also loads ZeRO-3's checkpoint."""
-    if name not in _done:
-        launcher, backend, extra = CASES[name]
-        require_launcher(launcher)
-        # Both directions across backends: ddp continues ZeRO-3's checkpoint,
-        # ZeRO-2 continues ddp's (scattered into its shards).
-        source = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp"}.get(name)
-        if source is not None:
-            extra = [*extra, "--load-from", str(run_case(source, tmp_path_factory))]
-        out = tmp_path_factory.mktemp(name)
-        res = launch(launcher, ["tests/support/trainstate_worker.py", "--backend", backend, "--out", str(out), *extra],
-                     timeout=240)
-        assert res.returncode == 0, f"{launcher} job failed (exit {res.returncode}):\n{res.tail()}"
-        _done[name] = out
-    return _done[name]
+    """The trainstate section of the case's one core launch (tests/support/core_runs.py), in which ddp
+    continues ZeRO-3's checkpoint and ZeRO-2 continues ddp's (scattered into its shards)."""
+    return core_run(name, tmp_path_factory)[0] / "trainstate"
 
 
 @pytest.fixture(params=list(CASES), ids=list(CASES))

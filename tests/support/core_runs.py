@@ -1,0 +1,37 @@
+"""The launcher tier's shared launches: the checks that
+need only a backend share one launch per backend case (``core_worker``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launching import BACKEND_CASES, Result, launch, require_launcher
+
+#: The trainstate section continues another backend's checkpoint: ddp
+#: ZeRO-3's, ZeRO-2 ddp's (both directions across backends).
+LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp"}
+_RUNS: dict[str, tuple[Path, Result]] = {}
+
+
+def core_run(case: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """The one core launch of ``case`` (run on first use, kept for the session): its output folder and result."""
+    if case not in _RUNS:
+        launcher, backend, extra = BACKEND_CASES[case]
+        require_launcher(launcher)
+        source = LOAD_FROM.get(case)
+        if source is not None:
+            extra = [*extra, "--load-from", str(core_run(source, tmp_path_factory)[0] / "trainstate")]
+        out = tmp_path_factory.mktemp(f"core-{case}")
+        res = launch(launcher, ["tests/support/core_worker.py", "--backend", backend, "--out", str(out), *extra],
+                     timeout=420)
+        assert res.returncode == 0, f"{launcher} core job of {case} failed (exit {res.returncode}):\n{res.tail(80)}"
+        _RUNS[case] = (out, res)
+    return _RUNS[case]
+
+
+def section_reports(case: str, section: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Each rank's ``rank<r>.json`` of one section of the core launch."""
+    out, _ = core_run(case, tmp_path_factory)
+    return [json.loads((out / section / f"rank{r}.json").read_text()) for r in range(2)]
