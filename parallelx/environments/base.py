@@ -98,3 +98,16 @@ def int_var(environ: Mapping[str, str], *names: str, default: int | None = None)
     if default is None:
         raise LaunchError(f"none of {', '.join('$' + n for n in names)} is set")
     return default
+
+
+def distributed_world(environ: Mapping[str, str], *local_sizes: str, local_default: int | None = None) -> World:
+    """The world ``torch.distributed``'s variables describe (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); the processes on this machine
+    from the first of ``local_sizes`` that is set, else ``local_default`` (the
+    world size when None)."""
+    size = int_var(environ, "WORLD_SIZE")
+    local = int_var(environ, *local_sizes, default=size if local_default is None else local_default)
+    return World(rank=int_var(environ, "RANK"), world_size=size, local_rank=int_var(environ, "LOCAL_RANK", default=0),
+                 local_world_size=local,
+                 master_addr=environ.get("MASTER_ADDR"),
+                 master_port=int_var(environ, "MASTER_PORT", default=0) or None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .base import ClusterEnvironment, World, int_var
+from .base import ClusterEnvironment, World, distributed_world
 
 
 class DeepSpeedLauncher(ClusterEnvironment):
@@ -19,12 +19,8 @@ class DeepSpeedLauncher(ClusterEnvironment):
         return launched and "RANK" in environ and "TORCHELASTIC_RUN_ID" not in environ
 
     def world(self) -> World:
-        e = self.environ
-        size = int_var(e, "WORLD_SIZE")
-        return World(rank=int_var(e, "RANK"), world_size=size, local_rank=int_var(e, "LOCAL_RANK", default=0),
-                     # LOCAL_SIZE is this launcher's name for it.
-                     local_world_size=int_var(e, "LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=size),
-                     master_addr=e.get("MASTER_ADDR"), master_port=int_var(e, "MASTER_PORT", default=0) or None)
+        # LOCAL_SIZE is this launcher's name for the processes on the machine.
+        return distributed_world(self.environ, "LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 
     def why(self) -> str:
         return "CROSS_RANK set" if "CROSS_RANK" in self.environ else "--local_rank in argv"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .base import ClusterEnvironment, World, int_var
+from .base import ClusterEnvironment, World, distributed_world
 
 
 class EnvVars(ClusterEnvironment):
@@ -23,11 +23,9 @@ class EnvVars(ClusterEnvironment):
         return "RANK" in environ and "WORLD_SIZE" in environ
 
     def world(self) -> World:
-        e = self.environ
-        size = int_var(e, "WORLD_SIZE")
-        return World(rank=int_var(e, "RANK"), world_size=size, local_rank=int_var(e, "LOCAL_RANK", default=0),
-                     local_world_size=int_var(e, "LOCAL_WORLD_SIZE", default=size if "LOCAL_RANK" in e else 1),
-                     master_addr=e.get("MASTER_ADDR"), master_port=int_var(e, "MASTER_PORT", default=0) or None)
+        # Without LOCAL_RANK, one process per pod (or host): a machine of one.
+        one = None if "LOCAL_RANK" in self.environ else 1
+        return distributed_world(self.environ, "LOCAL_WORLD_SIZE", local_default=one)
 
     def why(self) -> str:
         return f"RANK={self.environ['RANK']} WORLD_SIZE={self.environ['WORLD_SIZE']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .base import ClusterEnvironment, World, int_var
+from .base import ClusterEnvironment, World, distributed_world
 
 
 class TorchElastic(ClusterEnvironment):
@@ -17,11 +17,7 @@ class TorchElastic(ClusterEnvironment):
         return "TORCHELASTIC_RUN_ID" in environ
 
     def world(self) -> World:
-        e = self.environ
-        size = int_var(e, "WORLD_SIZE")
-        return World(rank=int_var(e, "RANK"), world_size=size, local_rank=int_var(e, "LOCAL_RANK", default=0),
-                     local_world_size=int_var(e, "LOCAL_WORLD_SIZE", default=size),
-                     master_addr=e.get("MASTER_ADDR"), master_port=int_var(e, "MASTER_PORT", default=0) or None)
+        return distributed_world(self.environ, "LOCAL_WORLD_SIZE")
 
     def why(self) -> str:
         return f"TORCHELASTIC_RUN_ID={self.environ['TORCHELASTIC_RUN_ID']}"
