@@ -27,6 +27,7 @@ _BUILTIN: dict[str, str] = {
     "ddp": "parallelx.backends.ddp:DDPBackend",
     "horovod": "parallelx.backends.horovod:HorovodBackend",
     "deepspeed": "parallelx.backends.deepspeed:DeepSpeedBackend",
+    "fsdp": "parallelx.backends.fsdp:FSDPBackend",
 }
 _REGISTERED: dict[str, str | type[Backend]] = {}
 

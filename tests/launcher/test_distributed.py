@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from core_runs import core_run, section_reports
-from launching import ROOT, backend_cases
+from launching import _BY_LAUNCHER, ROOT, backend_cases
 
 CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must gather them collectively
 # Relative tolerance on the weights after 5 SGD steps: only the order of float
@@ -40,14 +40,15 @@ sys.meta_path.insert(0, _Block())
 def job(request, tmp_path_factory):
     out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
     return {"out": out / "dist", "reports": section_reports(request.param, "dist", tmp_path_factory),
-            "backend": CASES[request.param][1]}
+            "backend": CASES[request.param][1], "auto": _BY_LAUNCHER[CASES[request.param][0]]}
 
 
 def test_world_and_detection(job):
     for r, rep in enumerate(job["reports"]):
         assert rep["rank"] == r and rep["world_size"] == 2 and rep["local_rank"] == r
         assert rep["name"] == job["backend"]
-        assert rep["detected"] == job["backend"], "get_backend('auto') would pick the wrong backend"
+        # auto follows the launcher (torchrun -> ddp): sharding (fsdp) is never picked silently.
+        assert rep["detected"] == job["auto"], "get_backend('auto') would pick the wrong backend"
         assert rep["device"] == "cpu"
 
 

@@ -103,3 +103,16 @@ def test_ddp_checkpoint_loads_into_zero2(optim, tmp_path_factory):
     assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
     assert torch.equal(cross["rng_C"], ddp["rng_B"]), "the RNG continues as it did under ddp"
     assert _rel(cross["C"], ddp["B"]) <= REL_TOL, "ZeRO-2 continues ddp's run (up to reduction order)"
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+@pytest.mark.parametrize("loader,source", [("fsdp", "ddp"), ("deepspeed-zero1", "fsdp")])
+def test_checkpoints_move_between_fsdp_and_others(loader, source, optim, tmp_path_factory):
+    """fsdp continues ddp's run (its whole tensors cut into shards), ZeRO-1 fsdp's (gathered from shards)."""
+    out = run_case(loader, tmp_path_factory)
+    cross = torch.load(out / f"cross-{optim}.pt", weights_only=True)
+    theirs = torch.load(run_case(source, tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
+    assert cross["info"]["meta"]["backend"] == CASES[source][1]
+    assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
+    assert torch.equal(cross["rng_C"], theirs["rng_B"]), f"the RNG continues as it did under {source}"
+    assert _rel(cross["C"], theirs["B"]) <= REL_TOL, f"{loader} continues {source}'s run (up to reduction order)"

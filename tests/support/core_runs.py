@@ -10,8 +10,8 @@ import pytest
 from launching import BACKEND_CASES, Result, launch, require_launcher
 
 #: The trainstate section continues another backend's checkpoint: ddp
-#: ZeRO-3's, ZeRO-2 ddp's (both directions across backends).
-LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp"}
+#: ZeRO-3's, ZeRO-2 ddp's, fsdp ddp's, ZeRO-1 fsdp's (both directions across backends).
+LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp", "fsdp": "ddp", "deepspeed-zero1": "fsdp"}
 _RUNS: dict[str, tuple[Path, Result]] = {}
 
 

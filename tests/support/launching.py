@@ -44,6 +44,7 @@ BACKEND_CASES: dict[str, tuple[str, str, list[str]]] = {
     "ddp": ("torchrun", "ddp", []),
     "horovod": ("horovodrun", "horovod", []),
     **{f"deepspeed-zero{z}": ("deepspeed", "deepspeed", ["--zero-stage", str(z)]) for z in range(4)},
+    "fsdp": ("torchrun", "fsdp", []),
 }
 
 

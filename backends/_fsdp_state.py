@@ -1,0 +1,167 @@
+"""Whole and sharded state, and gradient norms, for the ``fsdp`` backend.
+
+Under ``fully_shard`` every parameter, its gradient and its optimizer state
+are DTensors: each rank holds one dim-0 slice.  A portable checkpoint must not
+depend on that, so this module puts whole tensors together (one parameter at
+a time, so that no rank ever holds more than one whole tensor on its device)
+and cuts whole tensors back into this rank's slices (locally: every rank has
+read the same file).  It also takes the global gradient norm as one process
+takes it (:func:`grad_norm`) and hands out this rank's shards, by name, for
+sharded checkpoints (:func:`sharded_state`, :func:`load_sharded_state`).
+
+Not a backend (the leading underscore): the registry names its modules explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from parallelx import state as pure
+from parallelx.errors import ParallelxError
+
+
+def full(value: Any) -> Any:
+    """``value`` with every DTensor put together whole, everything on the CPU.
+    A collective for DTensors: every rank walks the same structure in the same order."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().to("cpu", copy=True)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full(v) for v in value)
+    return value
+
+
+def like(whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as ``live``: this rank's slice of it when ``live`` is a
+    DTensor (cut locally, no communication), on ``live``'s device and in its dtype."""
+    if isinstance(live, DTensor):
+        if tuple(whole.shape) != tuple(live.shape):
+            raise ParallelxError(f"fsdp: a saved tensor has shape {tuple(whole.shape)}, the model's "
+                                 f"{tuple(live.shape)}; the checkpoint is of another model")
+        local = whole.to(live.to_local().device, live.dtype)
+        return distribute_tensor(local, live.device_mesh, live.placements, src_data_rank=None)
+    return whole.to(live.device, live.dtype)
+
+
+def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole ``state_dict`` (plain names: ``fully_shard`` adds no prefix) on the CPU, on every rank."""
+    return {k: full(v) for k, v in module.state_dict().items()}
+
+
+def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load a whole state dict: each rank keeps its slice of every parameter."""
+    live = module.state_dict()
+    module.load_state_dict({k: like(v, live[k]) if k in live and torch.is_tensor(v) else v
+                            for k, v in state.items()})
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def named_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, whole: bool) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name: whole tensors on the CPU
+    (a collective), or, with ``whole=False``, this rank's DTensor shards as they are."""
+    names = param_names(module)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [p for p in params if id(p) not in names]
+    if missing:
+        raise ParallelxError("fsdp: the optimizer holds a parameter that is not among the model's "
+                             "named_parameters(); build the optimizer on model.parameters()")
+    state = {names[id(p)]: (full(optimizer.state[p]) if whole else dict(optimizer.state[p]))
+             for p in params if p in optimizer.state}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_named_state(module: nn.Module, optimizer: torch.optim.Optimizer, named: Mapping[str, Any]) -> None:
+    """Load a state keyed by name (whole tensors, or shards already laid out): each rank keeps its slices."""
+    params = dict(module.named_parameters())
+    state = {}
+    for name, entry in named["state"].items():
+        p = params.get(name)
+        state[name] = {k: like(v, p) if p is not None and torch.is_tensor(v) and v.dim() > 0 else v
+                       for k, v in entry.items()}
+    pure.load_named_optimizer_state(optimizer, param_names(module), {**named, "state": state})
+
+
+def grad_norm(optimizer: torch.optim.Optimizer, *, exact: bool,
+              all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole averaged gradient as ``torch.nn.utils.get_total_norm``
+    takes it on one process (each parameter's norm, then the norm of those), the
+    same on every rank.  With ``exact`` each parameter's gradient is put together
+    first (one at a time), so its norm is torch's to the bit: it then scales the
+    update.  Without, the root of the shards' summed squares (float64), which
+    differs from torch's in the order of additions only."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if exact:
+        norms = [torch.nn.utils.get_total_norm([g.full_tensor() if isinstance(g, DTensor) else g]) for g in grads]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares = torch.stack([torch.linalg.vector_norm(t, 2.0).double() ** 2 for t in local])
+    sharded = torch.tensor([isinstance(g, DTensor) for g in grads], device=squares.device)
+    # A replicated (not sharded) gradient is whole on every rank: count it once.
+    summed = torch.where(sharded, all_reduce(squares), squares)
+    return torch.linalg.vector_norm(summed.sqrt().to(grads[0].dtype), 2.0)
+
+
+def clip_(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale each rank's slices by ``max_norm / (norm + 1e-6)`` when that is below 1,
+    multiplied in as ``torch.nn.utils.clip_grads_with_norm_`` does."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    local.mul_(coef.to(local.device))
+
+
+# ------------------------------------------------------------- sharded checkpoints
+def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards by name, for ``torch.distributed.checkpoint``: nothing is gathered."""
+    return {"model": dict(module.state_dict()), "optimizer": named_state(module, optimizer, whole=False)}
+
+
+def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+                       param_groups: list[dict[str, Any]]) -> None:
+    """Read this rank's slices of a sharded checkpoint (written at any world
+    size: torch.distributed.checkpoint cuts the saved shards anew) straight
+    into the model's and the optimizer's shards.  A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    params = dict(module.named_parameters())
+    # The optimizer may have no state yet (it is made at the first step): a
+    # template from the file's own index, shaped as the parameters' shards.
+    template: dict[str, dict[str, torch.Tensor]] = {}
+    for key, meta in saved.items():
+        if not key.startswith("optimizer.state."):
+            continue
+        name, field = key[len("optimizer.state."):].rsplit(".", 1)
+        p = params.get(name)
+        if p is None:
+            raise ParallelxError(f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
+                                 "which this model does not have")
+        dtype = meta.properties.dtype
+        if tuple(meta.size) == tuple(p.shape):
+            template.setdefault(name, {})[field] = torch.zeros_like(p, dtype=dtype)
+        else:
+            template.setdefault(name, {})[field] = torch.zeros(tuple(meta.size), dtype=dtype)
+    model_sd = dict(module.state_dict())
+    target = {"model": model_sd, "optimizer": {"state": template}}
+    dcp.load(target, checkpoint_id=str(directory))
+    module.load_state_dict(model_sd)
+    load_named_state(module, optimizer, {"state": template, "param_groups": param_groups})
