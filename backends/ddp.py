@@ -41,7 +41,7 @@ class DDPBackend(ProcessGroupBackend):
                   "'(gloo available)' if d.is_gloo_available() else '(no gloo)')")
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
-    environments = ("torchrun", "deepspeed", "env", "local")
+    environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
 
     def _init(self) -> None:
         assert self.environment is not None

@@ -78,8 +78,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
     name = "deepspeed"
     summary = "`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks"
     launcher = DEEPSPEED
-    # Its own launcher, torchrun (which restarts failed jobs; the deepspeed launcher does not), plain variables.
-    environments = ("deepspeed", "torchrun", "env")
+    # Its own launcher, torchrun (which restarts failed jobs; the deepspeed launcher does not), Ray Train,
+    # srun's tasks, plain variables.
+    environments = ("ray", "deepspeed", "torchrun", "slurm", "env")
     requires_module = "deepspeed"
     # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
     needs_watchdog = True

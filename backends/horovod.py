@@ -52,6 +52,7 @@ class HorovodBackend(Backend):
                   "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')")
 
     # hvd.init() forms the world from horovodrun's variables; without them, a world of one.
+    # Not srun's tasks (this build has no MPI: horovodrun with the allocation's hosts) nor Ray (which dropped Horovod).
     environments = ("horovodrun", "local")
 
     def _init(self) -> None:

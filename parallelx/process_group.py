@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import LaunchError
+from .log import warn
 from .protocol import Backend
 
 T = TypeVar("T")
@@ -108,10 +109,17 @@ class ProcessGroupBackend(Backend):
     def _init_process_group(self) -> None:
         """Join the default process group of this process's cluster environment,
         or adopt the one that environment already made."""
-        if dist.is_initialized():
-            return
         assert self.environment is not None
-        self.environment.export()  # the torch.distributed variables, where the environment names them otherwise
+        env = self.environment
+        gpus = torch.cuda.device_count() if self.device_request != "cpu" and torch.cuda.is_available() else 0
+        env.check_devices(gpus)
+        if dist.is_initialized():  # adopted: _owns_group stays False, the group is left to whoever made it
+            if env.owns_process_group and self.timeout_explicit:
+                where = env.group_timeout or f"{env.name}'s own"
+                warn(f"{self.name}: {env.name} made the process group before this script ran, so its timeout is "
+                     f"not --timeout's {self.timeout_s:g}s but {where}")
+            return
+        env.export()  # the torch.distributed variables, where the environment names them otherwise
         missing = [k for k in self.REQUIRED_ENV if k not in os.environ]
         if missing:
             raise LaunchError(f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "

@@ -167,7 +167,7 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         if self.environments is not None and env.name not in self.environments:
             raise LaunchError(f"{self.name} cannot form its world under {env.name} ({env.why()}); it runs under "
                               f"{', '.join(self.environments)}: start it with `{self.launcher.usage()} --backend "
-                              f"{self.name} ...`")
+                              f"{self.name} ...`{env.hint()}")
         log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
         with keep_rng_state():
             self._init()

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from . import checkpoint, log
+from .environments import detect_environment
 from .errors import ParallelxError
 from .state import (  # noqa: F401
     check_named_groups,
@@ -171,6 +172,7 @@ def save_training_state(
     error = backend.broadcast(error, src=0)
     if error is not None:
         raise ParallelxError(error)
+    backend.environment.checkpoint_saved(final, step)  # type: ignore[union-attr]  # (Ray Train keeps it)
     return final
 
 
@@ -181,8 +183,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     is never returned.  When ``latest`` is missing or names a checkpoint that is
     gone, the highest step present is taken, with a warning."""
     root = Path(directory) / SUBDIR
-    if not root.is_dir():
-        return None
+    if not root.is_dir():  # the copy a scheduler restarted this run with (Ray Train's), if any
+        return detect_environment().restored_checkpoint()
     pointer = root / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
@@ -190,7 +192,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
             return root / name
         log.warn(f"{pointer} names {name!r}, which is not a complete checkpoint; taking the newest one present")
     found = _complete(root)
-    return found[-1][1] if found else None
+    return found[-1][1] if found else detect_environment().restored_checkpoint()
 
 
 # ---------------------------------------------------------------- loading

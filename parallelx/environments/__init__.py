@@ -2,8 +2,10 @@
 
 Detected once per process (:func:`detect_environment`) and handed to the
 backend; ``--backend auto`` asks the environment which backend it means.
-Built in: ``horovodrun``, ``deepspeed`` (its launcher), ``torchrun``, ``env``
-(plain ``RANK``/``WORLD_SIZE`` variables) and ``local`` (no launcher).  More
+Built in, in the order they are tried: ``ray`` (a Ray Train worker),
+``horovodrun``, ``deepspeed`` (its launcher), ``torchrun``, ``slurm`` (tasks of
+an ``srun`` step), ``env`` (plain ``RANK``/``WORLD_SIZE`` variables) and
+``local`` (no launcher).  More
 register with :func:`register_environment`.
 """
 
@@ -19,10 +21,12 @@ from .deepspeed_launcher import DeepSpeedLauncher
 from .envvars import EnvVars
 from .horovodrun import HorovodRun
 from .local import Local
+from .ray import RayTrain
+from .slurm import Slurm
 from .torchelastic import TorchElastic
 
 _ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
-    cls.name: cls for cls in (HorovodRun, DeepSpeedLauncher, TorchElastic, EnvVars, Local)}
+    cls.name: cls for cls in (RayTrain, HorovodRun, DeepSpeedLauncher, TorchElastic, Slurm, EnvVars, Local)}
 
 
 def register_environment(cls: type[ClusterEnvironment]) -> None:

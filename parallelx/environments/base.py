@@ -15,6 +15,7 @@ import abc
 import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from ..errors import LaunchError
@@ -46,6 +47,8 @@ class ClusterEnvironment(abc.ABC):
     #: script runs and destroys it afterwards: a backend adopts that group and
     #: leaves it alone at shutdown.
     owns_process_group: ClassVar[bool] = False
+    #: Where such a group's timeout is set, since ``--timeout`` cannot reach it.
+    group_timeout: ClassVar[str] = ""
 
     def __init__(self, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> None:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
@@ -68,6 +71,25 @@ class ClusterEnvironment(abc.ABC):
     def why(self) -> str:
         """One line: what in the environment gave it away (for ``python -m parallelx env``)."""
         return ""
+
+    def hint(self) -> str:
+        """What to add to a backend's launch line when it cannot form its world
+        here (``"; ..."``, or nothing)."""
+        return ""
+
+    def check_devices(self, gpus: int) -> None:
+        """Raise :class:`LaunchError` when the processes on this machine and the
+        ``gpus`` each sees cannot go together (0: no GPU is used)."""
+
+    def checkpoint_saved(self, path: Path, step: int) -> None:
+        """A training-state checkpoint is complete at ``path`` (every rank calls
+        this, once per checkpoint): for an environment that keeps checkpoints
+        itself and restarts from them (Ray Train)."""
+
+    def restored_checkpoint(self) -> Path | None:
+        """The checkpoint the environment restarted this run from, where the
+        run's own directory has none (a replacement on another machine)."""
+        return None
 
     def export(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Set the ``torch.distributed`` variables (``RANK``, ``WORLD_SIZE``,

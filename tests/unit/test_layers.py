@@ -20,11 +20,11 @@ LAYERS: list[set[str]] = [
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
     {"registry"},
-    {"cli", "envreport", "backends"},
+    {"cli", "envreport", "backends", "ray"},
     {"__init__", "__main__"},
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
-HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas")
+HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
 
 
 def modules() -> dict[str, Path]:
