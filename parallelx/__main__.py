@@ -4,18 +4,22 @@
     python -m parallelx launchers                   # the table of backends and their launch lines
     python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar10
                                                     # start N local processes with the backend's own launcher
+    python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
+                                                    # a sharded checkpoint as one portable file
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from . import envreport
+from . import envreport, sharded
 from .cli import exit_on_error
 from .errors import ParallelxError
 from .registry import backend_class, markdown_table
 from .runner import launch
+from .trainstate import STATE_FILE, latest_checkpoint
 
 
 @exit_on_error
@@ -31,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("backend", help="single, dp, ddp, horovod, deepspeed")
     run.add_argument("-n", "--nproc", type=int, default=2, help="processes to start (default 2)")
     run.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    conv = sub.add_parser("convert-checkpoint", help="write a sharded training-state checkpoint as one portable file",
+                          description="SRC: a checkpoint directory (step-*) or a run directory (its newest "
+                                      "checkpoint); DST: the file, state.pt's layout with the whole model and "
+                                      "optimizer, for torch.load(DST, weights_only=True).  One process, no launcher.")
+    conv.add_argument("src")
+    conv.add_argument("dst")
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
     target = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -40,7 +50,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "env":
         return envreport.main()
+    if args.command == "convert-checkpoint":
+        return _convert(Path(args.src), Path(args.dst))
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
+
+
+def _convert(src: Path, dst: Path) -> int:
+    found = src if (src / STATE_FILE).is_file() else latest_checkpoint(src)
+    if found is None:
+        raise ParallelxError(f"{src} holds no training-state checkpoint (no {STATE_FILE}, no checkpoints/latest)")
+    print(f"wrote {sharded.convert(found / STATE_FILE, dst)} from {found}")
+    return 0
 
 
 def _launch(name: str, nproc: int, target: list[str], *, dry_run: bool) -> int:

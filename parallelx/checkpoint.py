@@ -122,6 +122,20 @@ class StateHooks:
         names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
         pure.load_named_optimizer_state(optimizer, names, state)
 
+    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """This rank's shards of the model's and the optimizer's state by name
+        (``{"model": ..., "optimizer": {"state": ..., "param_groups": ...}}``)
+        when the backend writes sharded training-state checkpoints
+        (:mod:`parallelx.sharded`); None: whole tensors in ``state.pt``."""
+        return None
+
+    def load_sharded_state(self, model: nn.Module, optimizer: Any, directory: Path,
+                           param_groups: list[dict[str, Any]]) -> bool:
+        """Read this rank's own slices of a sharded checkpoint's ``directory``
+        straight into ``model`` and ``optimizer`` (a collective); False: the
+        backend does not shard, and the caller loads the whole tensors."""
+        return False
+
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a training-state checkpoint records of this backend's set-up
         besides its name and world size (DeepSpeed: its ZeRO stage)."""

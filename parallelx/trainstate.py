@@ -44,18 +44,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import checkpoint, log
+from . import checkpoint, log, sharded
 from .environments import detect_environment
 from .errors import ParallelxError
-from .state import (  # noqa: F401
-    check_named_groups,
-    indexed_optimizer_state,
-    load_named_optimizer_state,
-    named_from_indexed,
-    named_optimizer_state,
-    rng_state,
-    set_rng_state,
-)
+from .state import check_named_groups, indexed_optimizer_state, load_named_optimizer_state  # noqa: F401
+from .state import named_from_indexed, named_optimizer_state, rng_state, set_rng_state  # noqa: F401
 
 # Importable from here as before; they live in the pure helpers' module.
 from .version import __version__
@@ -110,9 +103,10 @@ def save_training_state(
     root = Path(directory) / SUBDIR
     name = f"step-{step:08d}"
 
-    # Collectives first, in the same order on every rank.
-    model_state = backend.model_state_dict(model)
-    optim_state = backend.named_optimizer_state(model, optimizer)
+    # Collectives first, in the same order on every rank.  A sharding backend may hand out its shards instead.
+    shards = backend.sharded_state(model, optimizer)
+    model_state = backend.model_state_dict(model) if shards is None else None
+    optim_state = backend.named_optimizer_state(model, optimizer) if shards is None else sharded.skeleton(shards)
     rng = rng_state()
 
     state: dict[str, Any] | None = None
@@ -121,7 +115,7 @@ def save_training_state(
         if sampler is not None:
             sampler_state = dict(sampler) if isinstance(sampler, Mapping) else sampler.state_dict()
         state = {
-            "meta": _metadata(backend, optimizer, step),
+            "meta": {**_metadata(backend, optimizer, step), "sharded": shards is not None},
             "model": model_state,
             "optimizer": optim_state,
             "scheduler": None if scheduler is None else checkpoint.to_cpu(scheduler.state_dict()),
@@ -147,6 +141,8 @@ def save_training_state(
     mine = None
     try:
         _write(plain(rng), tmp_dir / f"rng-rank{backend.rank}.pt")
+        if shards is not None:  # every rank writes its own shards (a collective)
+            sharded.write(shards, tmp_dir)
         if state is not None:
             _write(plain(state), tmp_dir / STATE_FILE)
     except Exception as exc:  # reported to every rank below
@@ -228,13 +224,16 @@ def load_training_state(
     assert state is not None and rng is not None
     meta = state["meta"]
 
-    _check_model(path, state["model"], model, backend)
     _check_optimizer(path, meta, state["optimizer"], optimizer)
     try:
-        backend.load_state_dict(model, state["model"])
+        if meta.get("sharded"):  # the backend's own slices of the shards, or the whole tensors
+            sharded.load(backend, path, model, optimizer, state["optimizer"])
+        else:
+            _check_model(path, state["model"], model, backend)
+            backend.load_state_dict(model, state["model"])
+            backend.load_named_optimizer_state(model, optimizer, state["optimizer"])
     except RuntimeError as exc:  # torch lists every mismatch over many lines: keep the first
         raise ParallelxError(f"checkpoint {path} does not fit this model: {_first_line(exc)}") from None
-    backend.load_named_optimizer_state(model, optimizer, state["optimizer"])
     _load_optional(path, "scheduler", scheduler, state["scheduler"])
     if not (default_scaler and state["scaler"] is None):
         _load_optional(path, "scaler", scaler, state["scaler"])

@@ -16,7 +16,7 @@ LIMIT = 450
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
     {"settings", "state", "launch", "runner", "environments", "precision"},
-    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic"},
+    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded"},
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
     {"registry"},
