@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .environments import detect_environment
+from .errors import LaunchError
 from .registry import available_backends, backend_class, detect_backend
 from .runner import unavailable
 
@@ -83,6 +84,22 @@ def hardware() -> dict[str, Any]:
             if torch.cuda.is_available() else []}
 
 
+def cluster_lines() -> list[str]:
+    """The cluster environment detected here, why, the world it forms and the
+    backend ``--backend auto`` picks; an environment whose variables do not
+    add up says so instead of a world."""
+    env = detect_environment()
+    lines = [f"cluster environment: {env.name} ({env.why()}); --backend auto picks {detect_backend()}"]
+    try:
+        w = env.world()
+    except LaunchError as exc:
+        return [*lines, f"  no world: {exc}"]
+    where = f", rendezvous {w.master_addr}:{w.master_port}" if w.master_addr else ""
+    owner = f"; the process group is {env.name}'s (adopted, left to it)" if env.owns_process_group else ""
+    return [*lines, f"  this process: rank {w.rank} of {w.world_size}, local rank {w.local_rank} of "
+                    f"{w.local_world_size}{where}{owner}"]
+
+
 def main() -> int:
     print(f"python      {platform.python_version()} ({platform.machine()})")
     print(f"torch       {torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
@@ -96,12 +113,9 @@ def main() -> int:
     print(f"cuda        {'available, ' + str(torch.cuda.device_count()) + ' device(s)' if cuda else 'not available'}")
     print(f"nccl        {'yes' if cuda and torch.distributed.is_nccl_available() else 'no'}; "
           f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
-    env = detect_environment()
-    world = env.world()
-    print(f"\ncluster environment: {env.name} ({env.why()}); --backend auto picks {detect_backend()}")
-    print(f"  this process: rank {world.rank} of {world.world_size}, local rank {world.local_rank} of "
-          f"{world.local_world_size}" + (f", rendezvous {world.master_addr}:{world.master_port}"
-                                          if world.master_addr else ""))
+    print()
+    for line in cluster_lines():
+        print(line)
     print("\nbackends:")
     for name, ok, detail, launch in report():
         print(f"  [{'OK' if ok else '--'}] {name:<10} {detail}")
