@@ -102,7 +102,7 @@ class FSDPBackend(ProcessGroupBackend):
                   "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')")
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
-    environments = ("torchrun", "deepspeed", "env", "local")
+    environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
 
     def __init__(self, *, shard: ShardPolicy = None, reshard_after_forward: bool = True,
                  sharded_checkpoints: bool = False, **kwargs: Any) -> None:

@@ -305,8 +305,8 @@ def test_a_ray_train_worker_is_ray_before_torchrun_and_owns_its_group(ray_worker
     target: dict[str, str] = {}
     env.export(target)
     assert target == {}, "Ray set the variables and made the group"
-    for backend in ("ddp", "deepspeed"):
-        assert "ray" in parallelx.backend_class(backend).environments
+    for backend in ("ddp", "deepspeed", "fsdp"):
+        assert {"ray", "slurm"} <= set(parallelx.backend_class(backend).environments)
     assert "ray" not in parallelx.backend_class("horovod").environments, "Ray has dropped Horovod"
     # Every rank reports each checkpoint; rank 0 with the directory.
     env.checkpoint_saved(tmp_path / "step-00000002", 2)
