@@ -1,6 +1,6 @@
 """recipes/example.py, the loop a user writes, under every launcher: ddp
-(torchrun), horovod (horovodrun) and deepspeed ZeRO 0 (the deepspeed launcher,
-file form) with 2 processes of 32 samples each, and single in one process on
+(torchrun), horovod (horovodrun), deepspeed ZeRO 0 (the deepspeed launcher,
+file form) and fsdp (torchrun) with 2 processes of 32 samples each, and single in one process on
 the global batch of 64.  Each run exits 0, prints its validation lines and
 writes a file that ``torch.load(weights_only=True)`` reads; the printed
 validation figures equal a one-process evaluation of the saved weights here;
@@ -19,7 +19,7 @@ EPOCHS, SEED = 2, 0
 # single sees the global batch (2 x 32) in one process: the same update as the others.
 RUNS: dict[str, tuple[str, str, list[str]]] = {
     "single": ("python", "single", ["--batch-size", "64"]),
-    **backend_cases("ddp", "horovod", "deepspeed-zero0"),
+    **backend_cases("ddp", "horovod", "deepspeed-zero0", "fsdp"),
 }
 REL_TOL = 1e-6
 VAL_LINE = re.compile(rf"epoch {EPOCHS}/{EPOCHS}: train loss [\d.]+ \| val loss (?P<loss>[\d.]+) "
