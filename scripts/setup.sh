@@ -14,6 +14,19 @@ if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 
+# A one-machine Slurm for the tests (tests/system/test_slurm.py starts its
+# daemons): Debian's packages, about 20 s.  Only as root; without them those
+# tests skip and say why.
+if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "[setup] installing slurm-wlm and munge (the test tier's one-machine Slurm)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            slurm-wlm munge >/dev/null; } || echo "[setup] warning: could not install Slurm; its tests will skip" >&2
+    else
+        echo "[setup] note: Slurm (slurm-wlm, munge) is not installed and this is not root: its tests will skip" >&2
+    fi
+fi
+
 # Re-install only when the inputs of the install changed.
 stamp="$VENV/.parallelx-installed"
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)
@@ -23,8 +36,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 "$PY" -m pip install --quiet --upgrade pip wheel setuptools
-echo "[setup] installing torch, torchvision, deepspeed and parallelx (about 2 minutes from fresh)"
-"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,bench,dev]"
+echo "[setup] installing torch, torchvision, deepspeed, ray and parallelx (about 2.5 minutes from fresh)"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,ray,bench,dev]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
 check=$("$VENV/bin/horovodrun" --check-build)
