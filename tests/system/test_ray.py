@@ -41,7 +41,10 @@ def test_ray_train_workers_replaced_after_a_kill_resume_bitwise_and_deepspeed_ma
         os.kill(pid, signal.SIGKILL)
         killed.update(pid=pid, step=latest_step(ddp))
 
-    env = job_env(PXT_DELAY="0.5", PXT_PIDS=str(pids), RAY_USAGE_STATS_ENABLED="0")
+    # The controller polls its workers every 0.5 s instead of 2 (how soon a finished or dead worker is seen);
+    # no preemption watcher (one actor less to start).
+    env = job_env(PXT_DELAY="0.3", PXT_PIDS=str(pids), RAY_USAGE_STATS_ENABLED="0",
+                  RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5", RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0")
     rc, output = run([sys.executable, str(ROOT / "tests/support/ray_driver.py"), json.dumps(jobs)], env,
                      tmp_path / "driver.log", timeout=280, while_running=kill_a_worker)
     timing = [ln for ln in output.splitlines() if ln.startswith("ray_driver:")]

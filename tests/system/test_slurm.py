@@ -72,16 +72,18 @@ def test_srun_tasks_preempted_by_scancel_save_exit_0_and_resume_under_auto_bitwi
     assert_bitwise(out, engine_reference)
 
 
-@pytest.mark.parametrize("stage", ["1"])
-def test_srun_tasks_run_deepspeed_to_the_torchrun_weights(slurm, engine_data, engine_reference, tmp_path, stage):
+@pytest.mark.parametrize("backend,extra", [("deepspeed", ["--zero-stage", "1"]), ("fsdp", [])],
+                         ids=["deepspeed-zero1", "fsdp"])
+def test_srun_tasks_run_each_backend_that_fits_to_the_torchrun_weights(slurm, engine_data, engine_reference,
+                                                                       tmp_path, backend, extra):
+    """Measured: both give ddp's weights to the bit (the same averaging, in the same order, on 2 ranks)."""
     out = tmp_path / "out"
-    rc, output = srun(slurm, ["recipes/cifar10.py", "--backend", "deepspeed", "--zero-stage", stage], out,
-                      engine_data)
+    rc, output = srun(slurm, ["recipes/cifar10.py", "--backend", backend, *extra], out, engine_data)
     assert rc == 0, output[-4000:]
-    assert_exact_metrics(out, engine_data, "deepspeed", 2)
+    assert_exact_metrics(out, engine_data, backend, 2)
     err = rel_err(weights(out), weights(engine_reference))
-    print(f"deepspeed ZeRO-{stage} under srun vs ddp under torchrun: relative error {err:.3g}")
-    assert err == 0.0, f"ZeRO-{stage} under srun: relative error {err:.3g} from ddp's weights"
+    print(f"{backend} {' '.join(extra)} under srun vs ddp under torchrun: relative error {err:.3g}")
+    assert err == 0.0, f"{backend} under srun: relative error {err:.3g} from ddp's weights"
 
 
 PROBE = """
