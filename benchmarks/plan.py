@@ -4,6 +4,7 @@ machine's process and thread counts, and every launch in order."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -169,17 +170,17 @@ def lenet(batch: int, p: Preset, save: bool, threads: int | None = None) -> Case
                 save_weights=save, threads=threads)
 
 
-def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: bool = False,
+def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: Sequence[str] = (),
              same_process: tuple[str, ...] = ()) -> list[Job]:
     """Every launch, in order.  Within a round, the launches compared with
-    each other (a backend's plain script, parallelx, with ``control`` the
-    plain script again) are adjacent, and their order
+    each other (a backend's plain script, parallelx, and for the families in
+    ``control`` the plain script again) are adjacent, and their order
     rotates every round (A B, B A; A B C, B C A, C A B), so that a slow spell
     of a noisy machine hits each alike.  Last, one same-process launch for
     each backend in ``same_process`` (LeNet: its batches alone give both
     implementations identical weights; VGG16's dropout would not)."""
     n = machine.nproc
-    groups = [[f"raw-{f}", f"px-{f}", *([f"ctl-{f}"] if control else [])] for f in FAMILIES if f in parts]
+    groups = [[f"raw-{f}", f"px-{f}", *([f"ctl-{f}"] if f in control else [])] for f in FAMILIES if f in parts]
     singles = [f"raw-{REFERENCE}", f"px-{REFERENCE}"] if "scaling" in parts and n > 1 else []
     if singles and p.scaling_all:
         singles += [f"{k}-{f}" for f in FAMILIES if f != REFERENCE and f in parts for k in ("raw", "px")]

@@ -49,14 +49,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
     p.add_argument("--image-size", type=int, default=None, help="VGG16 image size (default: the mode's)")
     p.add_argument("--repeats", type=positive_int, default=None, help="rounds of alternating launches")
-    p.add_argument("--control", action="store_true",
-                   help="also run each plain script a second time and compare it with itself: the noise floor")
+    p.add_argument("--control", nargs="?", const="all", default="", metavar="FAMILIES",
+                   help="also run each plain script (or those of the comma-separated families) a second time "
+                        "and compare it with itself: the noise floor")
     p.add_argument("--blocks", type=positive_int, default=None,
                    help="same-process part: alternating blocks of each implementation (default: the mode's)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed LeNet steps per launch")
     add_common(p, out_dir=ROOT / "benchmarks" / "results", raw=ROOT / "runs" / "bench" / "results.json", timeout=None)
     args = p.parse_args(argv)
     args.parts, args.model_list = [x for x in args.only.split(",") if x], [x for x in args.models.split(",") if x]
+    args.control = list(plan.FAMILIES) if args.control == "all" else [x for x in args.control.split(",") if x]
+    if bad := [x for x in args.control if x not in plan.FAMILIES]:
+        p.error(f"--control: unknown {', '.join(bad)}; choose from {', '.join(plan.FAMILIES)}")
     for option, given, valid in (("--only", args.parts, plan.PARTS), ("--models", args.model_list, ("lenet", "vgg16"))):
         if bad := [x for x in given if x not in valid]:
             p.error(f"{option}: unknown {', '.join(bad)}; choose from {', '.join(valid)}")

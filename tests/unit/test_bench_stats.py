@@ -89,7 +89,7 @@ def test_launches_alternate_and_each_comparison_stays_together():
                            bind_cores=True)
     preset = plan.PRESETS["quick"]
     jobs = plan.schedule(preset, ["ddp", "horovod", "scaling", "same-process"], ["lenet"], machine,
-                         control=True, same_process=("ddp",))
+                         control=("ddp", "horovod"), same_process=("ddp",))
     rounds = [[j.impl for j in jobs if j.repeat == r and j.nproc == 2 and not j.impl.startswith("same-")]
               for r in range(preset.repeats)]
     assert rounds[0] == ["raw-ddp", "px-ddp", "ctl-ddp", "raw-horovod", "px-horovod", "ctl-horovod"]
