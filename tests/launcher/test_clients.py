@@ -18,7 +18,6 @@ SCRIPT = "tests/support/clients/mnist_port.py"
 RUNS = {
     "ddp": ("torchrun", []),
     "horovod": ("horovodrun", []),
-    "deepspeed-zero0": ("deepspeed", ["--zero-stage", "0"]),
     "deepspeed-zero3": ("deepspeed", ["--zero-stage", "3"]),
 }
 
