@@ -1,6 +1,6 @@
 """The CIFAR-10 recipe with every training-loop option, a real learning rate
 and 2 loader workers per process, under each launcher at world size 2: the
-final weights (``last.pth``) agree across ddp, horovod and deepspeed ZeRO 0-3.
+final weights (``last.pth``) agree across ddp, horovod, deepspeed ZeRO 0-3 and fsdp.
 
 The warm-up (4 of the 6 optimizer steps, more than the 3 of an epoch) keeps
 the learning rate low while the clip binds at some steps (norms 0.4 to 1.2
@@ -14,6 +14,9 @@ The data order, the augmentation draws (random flips in the loader workers,
 seeded per rank) and the dropout-free LeNet's update are the same on every
 backend, whatever a backend's set-up draws from the random generators; the
 only differences left are the order of float additions (1e-6 relative).
+
+Each launch also checks the recipe's outputs and that its reported metrics
+are exactly one process's evaluation of ``best.pth``.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 from launching import backend_cases, launch, require_launcher
+from recipe_outputs import check_cifar_metrics, check_outputs
 
 RUNS = backend_cases()
 OPTIONS = ["--epochs", "2", "--batch-size", "16", "--lr", "0.05", "--accumulate", "3", "--clip-grad-norm", "0.5",
            "--precision", "bf16-mixed", "--lr-schedule", "cosine", "--warmup-epochs", "1.5",
            "--num-workers", "1"]
 REL_TOL = 1e-6
+N_TEST = 31  # odd: the 2 ranks' shards are padded, and the metrics must leave the padding out
 #: Gradients reduced once per window, as ddp's (ZeRO 2 and 3 reduce every micro-batch).
-REDUCES_ONCE = {"horovod", "deepspeed-zero0", "deepspeed-zero1"}
+REDUCES_ONCE = {"horovod", "deepspeed-zero0", "deepspeed-zero1", "fsdp"}
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
 _DONE: dict[str, Path] = {}
@@ -41,7 +46,7 @@ def cifar_dir(tmp_path_factory) -> Path:
     from recipes.make_data import make_cifar10
 
     out = tmp_path_factory.mktemp("cifar")
-    make_cifar10(out, n_train=230, n_test=31, seed=0)  # 230 = 7 full micro-batches of 2 x 16 and a short one
+    make_cifar10(out, n_train=230, n_test=N_TEST, seed=0)  # 230 = 7 full micro-batches of 2 x 16 and a short one
     return out
 
 
@@ -55,6 +60,9 @@ def test_recipe_weights_equal_across_backends(run, cifar_dir, tmp_path):
                             "--out-dir", str(out), *OPTIONS], timeout=200)
     assert res.returncode == 0, res.tail()
     assert "accumulate=3 clip_grad_norm=0.5 precision=bf16-mixed" in res.output
+    # The recipe's outputs and exact metrics, as tests/launcher/test_recipes.py checks them in one process.
+    metrics = check_outputs(res, out, backend, 2, epochs=2)
+    check_cifar_metrics(metrics, out, cifar_dir, N_TEST, epochs=2, precision="bf16-mixed")
     _DONE[run] = out / "last.pth"
     first = next(iter(_DONE))
     if first == run:
