@@ -89,8 +89,12 @@ def run_target(config: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        build_parser().print_help()
+        return 0 if argv else 2
     try:
-        options, kind, target, args = split_argv(list(sys.argv[1:] if argv is None else argv))
+        options, kind, target, args = split_argv(argv)
     except ParallelxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

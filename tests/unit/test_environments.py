@@ -333,3 +333,14 @@ def test_a_run_ray_restarted_resumes_from_rays_checkpoint(ray_worker, tmp_path, 
 
 def test_outside_a_ray_train_function_ray_is_not_detected():
     assert detect_environment({**RAY, "TORCHELASTIC_RUN_ID": "x"}, ["t.py"]).name == "torchrun"
+
+
+def test_the_ray_launcher_splits_its_options_from_the_scripts():
+    from parallelx.ray import split_argv
+
+    assert split_argv(["-n", "2", "--gpu", "-m", "recipes.cifar10", "--backend", "ddp", "-n", "x"]) == (
+        ["-n", "2", "--gpu"], "module", "recipes.cifar10", ["--backend", "ddp", "-n", "x"])
+    assert split_argv(["--storage", "/s", "--env", "A", "train.py", "--lr", "1"]) == (
+        ["--storage", "/s", "--env", "A"], "file", "train.py", ["--lr", "1"])
+    with pytest.raises(ParallelxError, match="give the script to run"):
+        split_argv(["-n", "2"])
