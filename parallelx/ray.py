@@ -13,8 +13,9 @@ resumes from the latest one: give the script ``--resume auto`` (or its own
 equivalent).  ``--timeout`` is the process group's (``TorchConfig``): the
 backend's own ``--timeout`` cannot reach a group Ray made.
 
-Connects to a running cluster when ``--address`` or ``RAY_ADDRESS`` names
-one, else starts a local one with just the CPUs the workers need.
+Connects to a running cluster when ``--address`` (``auto``: the one this
+machine belongs to) or ``RAY_ADDRESS`` names one, else starts a new local one
+with just the CPUs the workers need.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where Ray keeps the reported checkpoints (shared by every node; default ~/ray_results)")
     p.add_argument("--name", default=None, help="the run's name under --storage (default: parallelx-<time>)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints Ray keeps (default 2)")
-    p.add_argument("--address", default=None, help="a running Ray cluster (default: $RAY_ADDRESS, else a local one)")
+    p.add_argument("--address", default=None,
+                   help="a running Ray cluster, or auto for this machine's "
+                        "(default: $RAY_ADDRESS, else a new local one)")
     p.add_argument("--env", action="append", default=[], metavar="NAME",
                    help="pass this variable of the driver's environment to the workers (repeatable)")
     return p
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if address:
             ray.init(address=address, runtime_env={"env_vars": passed})
         else:  # a local cluster sized for the workers; no dashboard (seconds of start-up, a port)
-            ray.init(num_cpus=max(1, int(opts.num_workers * opts.cpus_per_worker + 0.999)),
+            ray.init(address="local", num_cpus=max(1, int(opts.num_workers * opts.cpus_per_worker + 0.999)),
                      num_gpus=opts.num_workers if opts.gpu else 0, include_dashboard=False,
                      runtime_env={"env_vars": passed})
             started = True

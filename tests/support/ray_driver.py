@@ -19,7 +19,8 @@ from parallelx import ray as ray_launch
 if __name__ == "__main__":
     jobs = json.loads(sys.argv[1])
     start = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    # A new cluster of its own, even where another is running on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
     print(f"ray_driver: local Ray started in {time.monotonic() - start:.1f}s", flush=True)
     codes = []
     for argv in jobs:
