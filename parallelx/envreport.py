@@ -62,7 +62,7 @@ def versions() -> dict[str, str | None]:
     """Python's version and those of the packages parallelx works with (None:
     not installed), read from their metadata: nothing heavy is imported."""
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "torchvision", "deepspeed", "horovod", "accelerate", "parallelx"):
+    for name in ("torch", "torchvision", "deepspeed", "horovod", "ray", "parallelx"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:

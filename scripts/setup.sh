@@ -37,7 +37,7 @@ fi
 
 "$PY" -m pip install --quiet --upgrade pip wheel setuptools
 echo "[setup] installing torch, torchvision, deepspeed, ray and parallelx (about 2.5 minutes from fresh)"
-"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,ray,bench,dev]"
+"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,ray,dev]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
 check=$("$VENV/bin/horovodrun" --check-build)
