@@ -174,6 +174,7 @@ class FSDPBackend(ProcessGroupBackend):
                 self._broadcast_into(t)
         # The optimizer was built on the parameters fully_shard replaces: remember their names.
         self._renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
+        # The wire type is built in here: set_options(grad_compression=...) applies to models wrapped later.
         policy = MixedPrecisionPolicy(reduce_dtype=self.options.wire_dtype)  # None: the gradients' dtype
         options = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         for unit in self._units(model):
@@ -215,11 +216,6 @@ class FSDPBackend(ProcessGroupBackend):
         return optimizer
 
     # ------------------------------------------------------ the training loop
-    def _options_changed(self) -> None:
-        # The wire type is built into each model's MixedPrecisionPolicy when it is wrapped.
-        if self._initialized and self._models:
-            warn("fsdp: grad_compression applies to the models wrapped after the change")
-
     def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
         # Gradients stay whole and local inside a window; the last micro-batch reduce-scatters their sum.
         @contextlib.contextmanager

@@ -86,3 +86,15 @@ def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
     assert proc.returncode != 0
     assert "another rank is stalled or gone" in out, out[-3000:]
     assert ended < TIMEOUT_S + 45, f"ended {ended:.0f}s after the freeze"
+
+
+def test_fsdp_rank_asleep_ends_the_job_in_the_sharded_forward(tmp_path):
+    """fsdp's own collectives (the forward's all-gather, the backward's reduce-scatter) run
+    on the process group, whose timeout ends the waiting rank; torchrun then stops the other."""
+    require_launcher("torchrun")
+    res = launch("torchrun", ["tests/support/stall_worker.py", "--backend", "fsdp", "--timeout", str(TIMEOUT_S),
+                              "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
+    assert res.returncode != 0, res.tail()
+    assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
+    assert "step 2" in res.output and "step 3" not in res.output, res.tail()
+    assert "timed out" in res.output.lower() or "timeout" in res.output.lower(), res.tail()
