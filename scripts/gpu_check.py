@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         early = [b for b in BACKENDS if b != "horovod" or check.horovod_build is None]
         check.recipes("cifar10", early)
         check.throughput()
+        check.fsdp()
         check.host_sync(early)
         check.recipes("dogcat", early)
         if check.horovod_build is not None:

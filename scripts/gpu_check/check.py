@@ -28,9 +28,9 @@ ENTRY = ROOT / "scripts" / "gpu_check.py"
 #: minutes a command, so 8 leave room for its start and the transfers.
 BUDGET_S = 480.0
 RESERVE_S = 10.0  # kept free at the end for writing the report
-SECTIONS = ("install", "environment", "recipes", "throughput", "host-sync")
+SECTIONS = ("install", "environment", "recipes", "throughput", "fsdp", "host-sync")
 #: Every backend the recipes run on; the in-process ones (single, dp) start one process.
-BACKENDS = ("single", "dp", "ddp", "deepspeed", "horovod")
+BACKENDS = ("single", "dp", "ddp", "deepspeed", "fsdp", "horovod")
 #: The backend options each recipe run adds (DeepSpeed: ZeRO-2 shards gradients and optimizer state).
 BACKEND_ARGS: dict[str, tuple[str, ...]] = {"deepspeed": ("--zero-stage", "2")}
 #: Precisions the throughput section measures: the same-process worker's extra arguments for each.

@@ -295,6 +295,41 @@ class GpuCheck(Check):
             raise Fail(f"expected {n} rank report(s) in {out}, found {len(reports)}", log=done.output)
         return reports
 
+    # ------------------------------------------------------------ fsdp
+    def fsdp(self) -> None:
+        """FSDP2 on the check's process group (NCCL on GPUs), each precision the device has, and
+        what each rank holds against ddp (``benchmarks.memory``)."""
+        for precision in ("bf16-mixed", "16-mixed"):
+            name = f"fsdp against ddp, {precision}: memory per rank"
+            if precision == "16-mixed" and not self.cuda:
+                self.skip("fsdp", name, "CUDA only: float16 with loss scaling needs a GPU", needs="cuda")
+            else:
+                self.step("fsdp", name, lambda p=precision: self._fsdp(p), need_s=60)
+
+    def _fsdp(self, precision: str) -> Outcome:
+        model, size, batch = ("vgg16", 224, 8) if self.cuda else ("lenet", 32, 4)
+        rows = {}
+        for backend in ("ddp", "fsdp"):
+            out = self.work / f"memory-{backend}-{precision}.json"
+            self.launched(backend, ["-m", "benchmarks.memory", "--worker", "--backend", backend, "--model", model,
+                                    "--batch", str(batch), "--image-size", str(size), "--steps", "2",
+                                    "--precision", precision, "--out", str(out)],
+                          cap=self.settings.launch_timeout_s, log_name=f"memory-{backend}-{precision}")
+            rows[backend] = json.loads(out.read_text())
+        held = {b: max(r["model_state"] for r in rs) for b, rs in rows.items()}
+        ratio = held["fsdp"] / held["ddp"]
+        comm, want = rows["fsdp"][0]["comm"], "nccl" if self.cuda else "gloo"
+        figures = {"fsdp_model_state_mib": held["fsdp"] / 2**20, "ddp_model_state_mib": held["ddp"] / 2**20,
+                   "ratio": ratio, "fsdp_peak_mib": max(r["peak"] for r in rows["fsdp"]) / 2**20,
+                   "step_time_vs_ddp": rows["fsdp"][0]["step_s"] / rows["ddp"][0]["step_s"], "comm": comm}
+        if comm != want:
+            raise Fail(f"fsdp's process group is {comm}, expected {want}", figures=figures)
+        if self.nproc > 1 and ratio > 0.6:
+            raise Fail(f"fsdp holds {ratio:.2f} of ddp's model state per rank at {self.nproc} processes "
+                       "(expected at most 0.6)", figures=figures)
+        return Outcome(f"{model} over {comm}, {self.nproc} process(es): fsdp holds {ratio:.2f} of ddp's model "
+                       f"state per rank ({held['fsdp'] / 2**20:.0f} of {held['ddp'] / 2**20:.0f} MiB)", figures)
+
     # ------------------------------------------------------------ host-sync
 
     def host_sync(self, backends: Sequence[str]) -> None:

@@ -27,6 +27,7 @@ CUDA_ONLY = (
     "throughput / VGG16 224 px, 32/process, fp32",
     "throughput / VGG16 224 px, 32/process, bf16-mixed",
     "host-sync / synchronisations per step on ddp",
+    "fsdp / fsdp against ddp, 16-mixed: memory per rank",
 )
 
 
@@ -80,7 +81,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     assert summary["result"] == "passed" and summary["mode"] == "dry-run" and summary["nproc"] == 2
     report = (out / "report.md").read_text()
     assert "**Result: PASSED**" in report
-    for name in ("install", "environment", "recipes", "throughput", "host-sync"):
+    for name in ("install", "environment", "recipes", "throughput", "fsdp", "host-sync"):
         assert f"## {name}" in report
     # One progress line per step, with its time.
     assert "[gpu-check] recipes / cifar10 on ddp: passed in " in output
@@ -91,7 +92,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
 def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
     _, output, out = dry_run
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["sections"]) == ["install", "environment", "recipes", "throughput", "host-sync"]
+    assert list(summary["sections"]) == ["install", "environment", "recipes", "throughput", "fsdp", "host-sync"]
     for name, section in summary["sections"].items():
         assert section["status"] in ("passed", "skipped"), f"{name}: {section}"
         for item in section["items"]:
@@ -108,6 +109,9 @@ def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
     harness = [i for k, i in items.items() if k.startswith("throughput / same-process harness")]
     assert len(harness) == 2  # one per precision: fp32 and bf16-mixed
     assert all(h["status"] == "passed" and h["figures"]["ratio"] > 0 for h in harness)
+    sharded = items["fsdp / fsdp against ddp, bf16-mixed: memory per rank"]
+    assert sharded["status"] == "passed" and sharded["figures"]["comm"] == "gloo"
+    assert sharded["figures"]["ratio"] <= 0.6, "2 processes: fsdp holds about half of ddp's model state"
     loop = items["host-sync / training loop on ddp"]
     assert loop["status"] == "passed" and loop["figures"]["step_ratio"] > 0
 
