@@ -83,11 +83,12 @@ CUDA = Settings(cuda=True, cifar_train=2000, cifar_test=501, dogcat_per_class=20
 DRY_RUN = Settings(cuda=False, cifar_train=300, cifar_test=51, dogcat_per_class=13, cifar_args=("--batch-size", "32"),
                    dogcat_args=("--image-size", "32", "--batch-size", "4", "--max-steps", "2", "--lr", "0.001"),
                    dogcat_size=32, loss_rtol=1e-5, launch_timeout_s=150,
-                   # Near a minute and a half on 2 cores: dp is single on the CPU (no GPUs to split over),
-                   # and VGG16 goes through one launch; every backend runs both recipes in the tests.
-                   recipe_backends={"cifar10": ("single", "ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
-                   fewer_because="dry run: on the CPU dp runs as single, and VGG16 runs on one backend only, "
-                                 "to keep the dry run short (tests/test_recipes.py runs them all)",
+                   # About a minute and a half on 2 cores: each launcher once, VGG16 in one launch, one
+                   # precision through the harness; tests/launcher runs every backend on both recipes.
+                   recipe_backends={"cifar10": ("ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
+                   fewer_because="dry run: each launcher once (CIFAR-10 under torchrun, the deepspeed launcher "
+                                 "and horovodrun, VGG16 in one process), to keep the dry run short (tests/launcher runs the recipes "
+                                 "under every backend)",
                    model="lenet", image_size=32, batch=32, warmup=1, steps=3, blocks=2,
                    sync_batch=32, sync_steps=(1, 2, 6), sync_workers=0, sync_backends=("ddp",))
 
