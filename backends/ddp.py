@@ -12,15 +12,13 @@ world of one process (and says how to launch more), which keeps
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from parallelx.launch import Launcher, free_port
-from parallelx.log import warn
+from parallelx.launch import Launcher
 from parallelx.process_group import ProcessGroupBackend
 
 TORCHRUN = Launcher(
@@ -44,16 +42,7 @@ class DDPBackend(ProcessGroupBackend):
     environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
 
     def _init(self) -> None:
-        assert self.environment is not None
-        if self.environment.name == "local":
-            warn(f"ddp: no launcher found, running as a world of 1 process; for N processes start with "
-                 f"`{self.launcher.usage()}`")
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        self._local_rank = self.environment.world().local_rank
-        self._device = self._pick_device(self._local_rank)
-        self._init_process_group()
-        self._read_world()
+        self._join_rendezvous()
         self._models: list[DistributedDataParallel] = []
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,8 +45,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from parallelx.backends import _fsdp_state as fsdp_state
 from parallelx.backends.ddp import TORCHRUN
 from parallelx.errors import ParallelxError
-from parallelx.launch import free_port
-from parallelx.log import warn
 from parallelx.process_group import ProcessGroupBackend
 from parallelx.state import named_from_indexed
 
@@ -138,16 +135,7 @@ class FSDPBackend(ProcessGroupBackend):
         return options
 
     def _init(self) -> None:
-        assert self.environment is not None
-        if self.environment.name == "local":
-            warn(f"fsdp: no launcher found, running as a world of 1 process; for N processes start with "
-                 f"`{self.launcher.usage()}`")
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        self._local_rank = self.environment.world().local_rank
-        self._device = self._pick_device(self._local_rank)
-        self._init_process_group()
-        self._read_world()
+        self._join_rendezvous()
         # Explicit, on this process's device type: never FSDP2's accelerator default.
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._models: list[nn.Module] = []

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import LaunchError
+from .launch import free_port
 from .log import warn
 from .protocol import Backend
 
@@ -105,6 +106,21 @@ class ProcessGroupBackend(Backend):
     #: False where the process group was there before init() (a cluster
     #: environment made it): it is that environment's to destroy.
     _owns_group = False
+
+    def _join_rendezvous(self) -> None:
+        """Pick the device and join the process group of this process's environment.
+        Started without a launcher, run as a world of one process (and say how to
+        launch more), which keeps ``python train.py --backend NAME`` usable for debugging."""
+        assert self.environment is not None
+        if self.environment.name == "local":
+            warn(f"{self.name}: no launcher found, running as a world of 1 process; for N processes start with "
+                 f"`{self.launcher.usage()}`")
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        self._local_rank = self.environment.world().local_rank
+        self._device = self._pick_device(self._local_rank)
+        self._init_process_group()
+        self._read_world()
 
     def _init_process_group(self) -> None:
         """Join the default process group of this process's cluster environment,
