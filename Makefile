@@ -16,7 +16,7 @@ train: setup
 ## The whole test suite, tier by tier: unit, multirank, launcher (every backend under its
 ## real launcher), system (faults, restarts, the CLI, benchmarks).
 test: setup
-	$(PY) -m pytest tests/unit tests/multirank tests/launcher tests/system
+	$(PY) -m pytest -n 2 tests/unit tests/multirank tests/launcher tests/system
 
 ## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 30 s.
 test-fast: setup

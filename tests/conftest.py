@@ -29,3 +29,45 @@ def _no_env_leak():
         else:
             os.environ[k] = v
     assert not leaked, f"test leaked environment variables: {leaked}"
+
+
+# ------------------------------------------------------------ parallel runs
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`): about a third
+# of a serial run is spent waiting (timeouts, restarts, sleeps between faults,
+# daemons starting), and the other worker uses it.  A group of tests runs whole
+# on one worker: a file, or files that share a session's launches: the core
+# launches (tests/support/core_runs.py keeps them per process) and the cluster
+# engines' torchrun reference (tests/system/conftest.py).
+_SHARED = {
+    "test_distributed.py": "core", "test_loops.py": "core", "test_trainstate_launch.py": "core",
+    "test_gather_launch.py": "core", "test_slurm.py": "engines", "test_ray.py": "engines",
+}
+# The longest groups first, so that neither worker is left with a long one at the
+# end (their order in a serial run's wall time on an idle 2-core machine).
+_LONGEST = ("test_resume.py", "core", "test_benchmarks.py", "test_recipes.py", "test_multinode.py",
+            "test_stall.py", "test_gpu_check.py", "engines", "test_recipe_parity.py", "test_clients.py",
+            "test_failures.py")
+
+
+def _group(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return _SHARED.get(name, name)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {g: i for i, g in enumerate(_LONGEST)}
+    # A stable sort: within a group, and among the short ones, the order stays as collected.
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain run may lack
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling, with the groups above as the scopes (the workers
+    take them in the collection's order, the longest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
