@@ -43,9 +43,9 @@ _SHARED = {
     "test_gather_launch.py": "core", "test_slurm.py": "engines", "test_ray.py": "engines",
 }
 # The longest groups first, so that neither worker is left with a long one at the
-# end (their order in a serial run's wall time on an idle 2-core machine).
-_LONGEST = ("test_resume.py", "core", "test_benchmarks.py", "test_recipes.py", "test_multinode.py",
-            "test_stall.py", "test_gpu_check.py", "engines", "test_recipe_parity.py", "test_clients.py",
+# end (by their wall time on two workers; the stall tests, mostly waiting, early).
+_LONGEST = ("test_resume.py", "core", "test_benchmarks.py", "test_stall.py", "test_gpu_check.py",
+            "test_recipes.py", "test_multinode.py", "engines", "test_recipe_parity.py", "test_clients.py",
             "test_failures.py")
 
 
