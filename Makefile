@@ -13,12 +13,13 @@ setup:
 train: setup
 	bash scripts/train_demo.sh
 
-## The whole test suite, tier by tier: unit, multirank, launcher (every backend under its
-## real launcher), system (faults, restarts, the CLI, benchmarks).
+## The whole test suite: unit, multirank, launcher (every backend under its real launcher),
+## system (faults, restarts, the CLI, benchmarks), on two pytest-xdist workers (a third of a
+## serial run is waiting; tests/conftest.py keeps files that share launches on one worker).
 test: setup
 	$(PY) -m pytest -n 2 tests/unit tests/multirank tests/launcher tests/system
 
-## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 30 s.
+## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 10 s.
 test-fast: setup
 	$(PY) -m pytest tests/unit tests/multirank
 

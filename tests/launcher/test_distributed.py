@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from core_runs import core_run, section_reports
-from launching import _BY_LAUNCHER, ROOT, backend_cases
+from launching import _BY_LAUNCHER, BLOCK_BACKEND_PACKAGES, ROOT, backend_cases
 
 CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must gather them collectively
 # Relative tolerance on the weights after 5 SGD steps: only the order of float
@@ -25,16 +25,6 @@ REL_TOL = 1e-6
 DATASET_SIZE = 23
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
-
-BLOCK_BACKEND_PACKAGES = """
-import sys
-class _Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('horovod', 'deepspeed'):
-            raise ModuleNotFoundError(f'{name} is blocked for this test')
-sys.meta_path.insert(0, _Block())
-"""
-
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):

@@ -117,3 +117,14 @@ def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest relative difference (L2, per tensor) of state dict ``a`` from ``b``."""
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).norm() / max(float(b[k].double().norm()), 1e-12)) for k in b)
+
+
+# Python code to run first in a process that must behave as if horovod and deepspeed were not installed.
+BLOCK_BACKEND_PACKAGES = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('horovod', 'deepspeed'):
+            raise ModuleNotFoundError(f'{name} is blocked for this test')
+sys.meta_path.insert(0, _Block())
+"""

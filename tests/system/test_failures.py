@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launching import ROOT, launch, require_launcher
-from test_distributed import BLOCK_BACKEND_PACKAGES
+from launching import BLOCK_BACKEND_PACKAGES, ROOT, launch, require_launcher
 
 pytestmark = pytest.mark.timeout(240)
 
