@@ -33,8 +33,9 @@ PLAIN_MATH: dict[str, Any] = {
 _MATH_SECTIONS = ("fp16", "bf16", "amp", "torch_autocast")
 
 
-def build_config(user: dict[str, Any], zero_stage: int | None, micro_batch_size: int | None,
-                  options: LoopOptions) -> dict[str, Any]:
+def build_config(
+    user: dict[str, Any], zero_stage: int | None, micro_batch_size: int | None, options: LoopOptions
+) -> dict[str, Any]:
     cfg = json.loads(json.dumps(user))  # a deep copy we may edit
     if micro_batch_size is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
@@ -120,8 +121,11 @@ def adopt_config(options: LoopOptions, user: Mapping[str, Any], gas: int | None)
 def math_changes(user: Mapping[str, Any]) -> list[str]:
     """The entries of a user's config that make the update differ from plain PyTorch."""
     changes = [f"{k}={user[k]!r}" for k, plain in PLAIN_MATH.items() if k in user and user[k] != plain]
-    changes += [f"{k}.enabled=true" for k in _MATH_SECTIONS
-                if isinstance(user.get(k), Mapping) and user[k].get("enabled") not in (None, False)]
+    changes += [
+        f"{k}.enabled=true"
+        for k in _MATH_SECTIONS
+        if isinstance(user.get(k), Mapping) and user[k].get("enabled") not in (None, False)
+    ]
     if user.get("communication_data_type") not in (None, "fp32"):
         changes.append(f"communication_data_type={user['communication_data_type']!r}")
     if user.get("gradient_accumulation_steps", 1) != 1:

@@ -105,8 +105,9 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
-            raise ParallelxError("deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps "
-                                 "after backend.backward(loss)")
+            raise ParallelxError(
+                "deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps after backend.backward(loss)"
+            )
         self.engine.step()
         for hook in list(self._optimizer_step_post_hooks.values()):  # torch.optim's step hooks (parallelx.buffers)
             hook(self, (), {})
@@ -115,8 +116,10 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         self.engine.zero_grad()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise ParallelxError("deepspeed: parameter groups cannot be added after the engine is built; "
-                             "give every group to the optimizer before wrap_optimizer")
+        raise ParallelxError(
+            "deepspeed: parameter groups cannot be added after the engine is built; "
+            "give every group to the optimizer before wrap_optimizer"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

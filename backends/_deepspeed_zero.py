@@ -54,8 +54,10 @@ def check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
     ``module`` has that parameter's whole shape."""
     for name, p in module.named_parameters():
         if name in state and tuple(state[name].shape) != full_shape(p):
-            raise ParallelxError(f"deepspeed: the state for {name} has shape {tuple(state[name].shape)}, the "
-                                 f"model's parameter {full_shape(p)}; it is of another model")
+            raise ParallelxError(
+                f"deepspeed: the state for {name} has shape {tuple(state[name].shape)}, the "
+                f"model's parameter {full_shape(p)}; it is of another model"
+            )
 
 
 def set_fp32_masters(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -94,9 +96,10 @@ def gather_named(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, A
                     entry[key] = to_cpu(value)
             if entry:
                 state[names[id(p)]] = entry
-    param_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                     "params": [names[id(p)] for p in params]}
-                    for group, params in zip(base.param_groups, groups)]
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]}
+        for group, params in zip(base.param_groups, groups)
+    ]
     return {"state": state, "param_groups": param_groups}
 
 
@@ -193,8 +196,10 @@ def reduced_gradients(zero: Any, stage: int) -> list[GradSlice]:
         # where it sits between parameters, unflagged at the partition's end.
         grads = [t for t in _averaged(zero, g) if not getattr(t, "_zero_padding", False)]
         if len(grads) < len(params) or any(t.numel() > p.numel() for p, t in zip(params, grads)):
-            raise ParallelxError(f"deepspeed: ZeRO group {g} holds {len(grads)} gradient slices for "
-                                 f"{len(params)} parameters; this DeepSpeed version lays them out differently")
+            raise ParallelxError(
+                f"deepspeed: ZeRO group {g} holds {len(grads)} gradient slices for "
+                f"{len(params)} parameters; this DeepSpeed version lays them out differently"
+            )
         for j, (p, grad) in enumerate(zip(params, grads)):
             # Only the partition's first parameter can start before it (as DeepSpeed slices them).
             slices.append(GradSlice(p, grad, int(zero.first_offset[g]) if j == 0 else 0))
@@ -204,13 +209,20 @@ def reduced_gradients(zero: Any, stage: int) -> list[GradSlice]:
 def _averaged(zero: Any, group: int) -> list[torch.Tensor]:
     grads = zero.averaged_gradients.get(group)
     if grads is None:
-        raise ParallelxError("deepspeed: ZeRO holds no averaged gradients here; the step must follow the "
-                             "backward of the window's last micro-batch")
+        raise ParallelxError(
+            "deepspeed: ZeRO holds no averaged gradients here; the step must follow the "
+            "backward of the window's last micro-batch"
+        )
     return list(grads)
 
 
-def global_grad_norm(slices: Sequence[GradSlice], params: Sequence[nn.Parameter],
-                     all_reduce: Callable[[torch.Tensor], torch.Tensor], *, exact: bool) -> torch.Tensor:
+def global_grad_norm(
+    slices: Sequence[GradSlice],
+    params: Sequence[nn.Parameter],
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    exact: bool,
+) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient, taken as
     ``torch.nn.utils.get_total_norm`` takes it on one process: each
     parameter's norm (in its gradients' dtype), then the norm of those norms,

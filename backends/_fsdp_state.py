@@ -45,8 +45,10 @@ def like(whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     DTensor (cut locally, no communication), on ``live``'s device and in its dtype."""
     if isinstance(live, DTensor):
         if tuple(whole.shape) != tuple(live.shape):
-            raise ParallelxError(f"fsdp: a saved tensor has shape {tuple(whole.shape)}, the model's "
-                                 f"{tuple(live.shape)}; the checkpoint is of another model")
+            raise ParallelxError(
+                f"fsdp: a saved tensor has shape {tuple(whole.shape)}, the model's "
+                f"{tuple(live.shape)}; the checkpoint is of another model"
+            )
         local = whole.to(live.to_local().device, live.dtype)
         return distribute_tensor(local, live.device_mesh, live.placements, src_data_rank=None)
     return whole.to(live.device, live.dtype)
@@ -60,8 +62,7 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Load a whole state dict: each rank keeps its slice of every parameter."""
     live = module.state_dict()
-    module.load_state_dict({k: like(v, live[k]) if k in live and torch.is_tensor(v) else v
-                            for k, v in state.items()})
+    module.load_state_dict({k: like(v, live[k]) if k in live and torch.is_tensor(v) else v for k, v in state.items()})
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -75,12 +76,19 @@ def named_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, whole: b
     params = [p for g in optimizer.param_groups for p in g["params"]]
     missing = [p for p in params if id(p) not in names]
     if missing:
-        raise ParallelxError("fsdp: the optimizer holds a parameter that is not among the model's "
-                             "named_parameters(); build the optimizer on model.parameters()")
-    state = {names[id(p)]: (full(optimizer.state[p]) if whole else dict(optimizer.state[p]))
-             for p in params if p in optimizer.state}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+        raise ParallelxError(
+            "fsdp: the optimizer holds a parameter that is not among the model's "
+            "named_parameters(); build the optimizer on model.parameters()"
+        )
+    state = {
+        names[id(p)]: (full(optimizer.state[p]) if whole else dict(optimizer.state[p]))
+        for p in params
+        if p in optimizer.state
+    }
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -90,13 +98,15 @@ def load_named_state(module: nn.Module, optimizer: torch.optim.Optimizer, named:
     state = {}
     for name, entry in named["state"].items():
         p = params.get(name)
-        state[name] = {k: like(v, p) if p is not None and torch.is_tensor(v) and v.dim() > 0 else v
-                       for k, v in entry.items()}
+        state[name] = {
+            k: like(v, p) if p is not None and torch.is_tensor(v) and v.dim() > 0 else v for k, v in entry.items()
+        }
     pure.load_named_optimizer_state(optimizer, param_names(module), {**named, "state": state})
 
 
-def grad_norm(optimizer: torch.optim.Optimizer, *, exact: bool,
-              all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def grad_norm(
+    optimizer: torch.optim.Optimizer, *, exact: bool, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient as ``torch.nn.utils.get_total_norm``
     takes it on one process (each parameter's norm, then the norm of those), the
     same on every rank.  With ``exact`` each parameter's gradient is put together
@@ -135,8 +145,9 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": dict(module.state_dict()), "optimizer": named_state(module, optimizer, whole=False)}
 
 
-def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                       param_groups: list[dict[str, Any]]) -> None:
+def load_sharded_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, param_groups: list[dict[str, Any]]
+) -> None:
     """Read this rank's slices of a sharded checkpoint (written at any world
     size: torch.distributed.checkpoint cuts the saved shards anew) straight
     into the model's and the optimizer's shards.  A collective."""
@@ -150,11 +161,13 @@ def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer, dire
     for key, meta in saved.items():
         if not key.startswith("optimizer.state."):
             continue
-        name, field = key[len("optimizer.state."):].rsplit(".", 1)
+        name, field = key[len("optimizer.state.") :].rsplit(".", 1)
         p = params.get(name)
         if p is None:
-            raise ParallelxError(f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
-                                 "which this model does not have")
+            raise ParallelxError(
+                f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
+                "which this model does not have"
+            )
         dtype = meta.properties.dtype
         if tuple(meta.size) == tuple(p.shape):
             template.setdefault(name, {})[field] = torch.zeros_like(p, dtype=dtype)

@@ -34,9 +34,11 @@ class DDPBackend(ProcessGroupBackend):
     name = "ddp"
     summary = "`DistributedDataParallel`; NCCL on GPUs, Gloo on the CPU"
     launcher = TORCHRUN
-    probe_code = ("import torch, torch.distributed as d; print('torch.distributed:', "
-                  "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
-                  "'(gloo available)' if d.is_gloo_available() else '(no gloo)')")
+    probe_code = (
+        "import torch, torch.distributed as d; print('torch.distributed:', "
+        "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
+        "'(gloo available)' if d.is_gloo_available() else '(no gloo)')"
+    )
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
     environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
@@ -52,7 +54,8 @@ class DDPBackend(ProcessGroupBackend):
         wrapped = DistributedDataParallel(model, device_ids=ids)
         # Gradients cast to the wire type, divided by the world size, summed, cast back.
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
-            self.options.grad_compression)
+            self.options.grad_compression
+        )
         if hook is not None:
             wrapped.register_comm_hook(None, hook)
         self._models.append(wrapped)

@@ -40,8 +40,14 @@ import torch
 from torch import nn
 
 from parallelx.backends import _deepspeed_zero as zero_state
-from parallelx.backends._deepspeed_config import PLAIN_MATH, adopt_config, build_config, engine_clips  # noqa: F401
-from parallelx.backends._deepspeed_config import math_changes, read_config
+from parallelx.backends._deepspeed_config import (  # noqa: F401
+    PLAIN_MATH,
+    adopt_config,
+    build_config,
+    engine_clips,
+    math_changes,
+    read_config,
+)
 from parallelx.backends._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launch import Launcher
@@ -85,20 +91,29 @@ class DeepSpeedBackend(ProcessGroupBackend):
     # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
     needs_watchdog = True
     install_hint = INSTALL_HINT
-    probe_code = ("import deepspeed; from deepspeed.accelerator import get_accelerator; "
-                  "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())")
+    probe_code = (
+        "import deepspeed; from deepspeed.accelerator import get_accelerator; "
+        "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())"
+    )
 
-    def __init__(self, *, zero_stage: int | None = None, micro_batch_size: int | None = None,
-                 config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                 gradient_accumulation_steps: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        zero_stage: int | None = None,
+        micro_batch_size: int | None = None,
+        config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        gradient_accumulation_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
             raise ParallelxError(f"deepspeed: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ParallelxError(f"deepspeed: micro_batch_size must be >= 1, got {micro_batch_size}")
         if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
-            raise ParallelxError(f"deepspeed: gradient_accumulation_steps must be >= 1, "
-                                 f"got {gradient_accumulation_steps}")
+            raise ParallelxError(
+                f"deepspeed: gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+            )
         user = read_config(config)
         self.math_changes = math_changes(user)
         self.options = adopt_config(self.options, user, gradient_accumulation_steps)
@@ -112,19 +127,31 @@ class DeepSpeedBackend(ProcessGroupBackend):
         group = parser.add_argument_group("deepspeed")
         # The helps say what None means; they end in parallelx.cli.NONE_IN_WORDS (a
         # "%(default).0s" that renders as nothing) so that no formatter adds "(default: None)".
-        group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
-                           help="ZeRO stage (default: the config file's, else 0)%(default).0s")
-        group.add_argument("--deepspeed-config", default=None, metavar="JSON",
-                           help="a DeepSpeed config file; explicit options override it (default: none, the "
-                                "options alone)%(default).0s")
+        group.add_argument(
+            "--zero-stage",
+            type=int,
+            choices=(0, 1, 2, 3),
+            default=None,
+            help="ZeRO stage (default: the config file's, else 0)%(default).0s",
+        )
+        group.add_argument(
+            "--deepspeed-config",
+            default=None,
+            metavar="JSON",
+            help="a DeepSpeed config file; explicit options override it (default: none, the "
+            "options alone)%(default).0s",
+        )
         # The deepspeed launcher appends --local_rank=N to the script's argv.
         group.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
     @classmethod
     def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         options = super().options_from_args(args)
-        options.update(zero_stage=getattr(args, "zero_stage", None), config=getattr(args, "deepspeed_config", None),
-                       micro_batch_size=getattr(args, "batch_size", None))
+        options.update(
+            zero_stage=getattr(args, "zero_stage", None),
+            config=getattr(args, "deepspeed_config", None),
+            micro_batch_size=getattr(args, "batch_size", None),
+        )
         return options
 
     @property
@@ -150,12 +177,15 @@ class DeepSpeedBackend(ProcessGroupBackend):
         accel = get_accelerator().device_name()
         self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
         self._init_process_group()  # parallelx's join (a store per torchrun restart); DeepSpeed then adopts it
-        deepspeed.init_distributed(dist_backend=self._dist_backend(), verbose=False,
-                                   timeout=_dt.timedelta(seconds=self.timeout_s))
+        deepspeed.init_distributed(
+            dist_backend=self._dist_backend(), verbose=False, timeout=_dt.timedelta(seconds=self.timeout_s)
+        )
         self._read_world()
         if self.math_changes:
-            warn(f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
-                 "what one process (and the other backends) compute")
+            warn(
+                f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
+                "what one process (and the other backends) compute"
+            )
 
     def _shutdown(self, *, failed: bool) -> None:
         if not failed:
@@ -179,14 +209,18 @@ class DeepSpeedBackend(ProcessGroupBackend):
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
         owners = [m for m in self._models if wanted <= {id(p) for p in m.module.parameters()}]
         if not owners:
-            raise ParallelxError("deepspeed: this optimizer's parameters belong to no model passed to wrap_model; "
-                                 "call `model = backend.wrap_model(model)` first, and build the optimizer on "
-                                 "model.parameters()")
+            raise ParallelxError(
+                "deepspeed: this optimizer's parameters belong to no model passed to wrap_model; "
+                "call `model = backend.wrap_model(model)` first, and build the optimizer on "
+                "model.parameters()"
+            )
         owner = owners[-1]
         if owner.engine is not None:
-            raise ParallelxError("deepspeed: the model's engine was already built without an optimizer (a forward "
-                                 "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
-                                 "after wrap_model, or use backend.setup(model, optimizer)")
+            raise ParallelxError(
+                "deepspeed: the model's engine was already built without an optimizer (a forward "
+                "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
+                "after wrap_model, or use backend.setup(model, optimizer)"
+            )
         return self._build(owner, optimizer)
 
     def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
@@ -210,10 +244,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # on a low-precision wire every micro-batch is rounded on its own.
         o = self.options
         if self.zero_stage >= 2 and o.accumulate > 1 and o.grad_compression != "none":
-            warn(f"deepspeed: ZeRO stage {self.zero_stage} sends every micro-batch's gradients, so with "
-                 f"--accumulate {o.accumulate} and --grad-compression {o.grad_compression} each is rounded to "
-                 f"{o.grad_compression} separately; the update differs from the other backends (which round the "
-                 "window's sum once) by that rounding")
+            warn(
+                f"deepspeed: ZeRO stage {self.zero_stage} sends every micro-batch's gradients, so with "
+                f"--accumulate {o.accumulate} and --grad-compression {o.grad_compression} each is rounded to "
+                f"{o.grad_compression} separately; the update differs from the other backends (which round the "
+                "window's sum once) by that rounding"
+            )
 
     def _make_precision(self) -> Precision:
         # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
@@ -242,8 +278,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # the norm is torch's to the bit (split parameters are put together),
         # since it then scales the update.
         slices = zero_state.reduced_gradients(optimizer.optimizer, self.zero_stage)  # type: ignore[attr-defined]
-        norm = zero_state.global_grad_norm(slices, optimizer.trained_params,  # type: ignore[attr-defined]
-                                           lambda t: self.all_reduce(t, "sum"), exact=max_norm is not None)
+        norm = zero_state.global_grad_norm(
+            slices,
+            optimizer.trained_params,  # type: ignore[attr-defined]
+            lambda t: self.all_reduce(t, "sum"),
+            exact=max_norm is not None,
+        )
         if max_norm is not None:
             zero_state.clip_(slices, max_norm, norm)
         return norm
@@ -265,23 +305,29 @@ class DeepSpeedBackend(ProcessGroupBackend):
             for m in self._models:
                 if model is m or model is m.engine or model is m.module:
                     if not m.trains:
-                        raise ParallelxError("deepspeed: backward(loss, model=...) names a model without an "
-                                             "optimizer; call backend.wrap_optimizer(optimizer) for it first")
+                        raise ParallelxError(
+                            "deepspeed: backward(loss, model=...) names a model without an "
+                            "optimizer; call backend.wrap_optimizer(optimizer) for it first"
+                        )
                     return m.engine
             raise ParallelxError("deepspeed: backward(loss, model=...) names a model not set up by this backend")
         trained = [m for m in self._models if m.trains]
         if len(trained) == 1:
             return trained[0].engine
         if not trained:
-            raise ParallelxError("deepspeed: no model has an optimizer yet; call "
-                                 "`optimizer = backend.wrap_optimizer(optimizer)` (or backend.setup(model, "
-                                 "optimizer)) before backend.backward(loss)")
+            raise ParallelxError(
+                "deepspeed: no model has an optimizer yet; call "
+                "`optimizer = backend.wrap_optimizer(optimizer)` (or backend.setup(model, "
+                "optimizer)) before backend.backward(loss)"
+            )
         used = graph_parameters(loss)
         hits = [m for m in trained if any(id(p) in used for p in m.module.parameters())]
         if len(hits) == 1:
             return hits[0].engine
-        raise ParallelxError(f"deepspeed: {len(trained)} models are set up and this loss depends on {len(hits)} "
-                             "of them; say which one it trains: backend.backward(loss, model=model)")
+        raise ParallelxError(
+            f"deepspeed: {len(trained)} models are set up and this loss depends on {len(hits)} "
+            "of them; say which one it trains: backend.backward(loss, model=model)"
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DeepSpeedModel) else super().unwrap(model)
@@ -305,15 +351,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
             return super().optimizer_state_dict(optimizer)
         # Gathered from the shards (a collective), in the layout torch.optim itself uses.
-        return zero_state.gather_indexed(optimizer.optimizer, self.zero_stage,
-                                         zero_state.param_names(optimizer.engine.module))
+        return zero_state.gather_indexed(
+            optimizer.optimizer, self.zero_stage, zero_state.param_names(optimizer.engine.module)
+        )
 
     def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         if self.zero_stage == 0:
             named = super().named_optimizer_state(model, optimizer)
         else:
-            named = zero_state.gather_named(optimizer.optimizer, self.zero_stage,
-                                            zero_state.param_names(self.unwrap(model)))
+            named = zero_state.gather_named(
+                optimizer.optimizer, self.zero_stage, zero_state.param_names(self.unwrap(model))
+            )
         # The engine's own step counters ride along; a plain optimizer ignores them.
         engine = optimizer.engine
         named["engine_counters"] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS}
@@ -328,8 +376,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if self.zero_stage == 0:
             super().load_named_optimizer_state(model, optimizer, state)
         else:
-            zero_state.scatter_named(optimizer.optimizer, self.zero_stage,
-                                     zero_state.param_names(self.unwrap(model)), state)
+            zero_state.scatter_named(
+                optimizer.optimizer, self.zero_stage, zero_state.param_names(self.unwrap(model)), state
+            )
         counters = state.get("engine_counters")
         if counters is not None:
             for k in _ENGINE_COUNTERS:
@@ -363,8 +412,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
             target.load_state_dict(state)
         else:
             # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
-            zero_state.scatter_indexed(target.optimizer, self.zero_stage,
-                                       zero_state.param_names(target.engine.module), state)
+            zero_state.scatter_indexed(
+                target.optimizer, self.zero_stage, zero_state.param_names(target.engine.module), state
+            )
 
 
 #: DeepSpeed engine counters that a training-state checkpoint restores.

@@ -24,15 +24,20 @@ from parallelx.utils import has_batchnorm
 class DataParallelBackend(LocalBackend):
     name = "dp"
     summary = "`nn.DataParallel` over all visible GPUs, in one process"
-    probe_code = ("import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
-                  "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')")
+    probe_code = (
+        "import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+        "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')"
+    )
 
     def _init(self) -> None:
         self._device = self._pick_device(0)
         self._gpus = torch.cuda.device_count() if self._device.type == "cuda" else 0
         if self._gpus < 2 and self.verbose:
-            where = "1 GPU is" if self._gpus == 1 else ("the CPU was asked for" if self.device_request == "cpu"
-                                                        else "no GPU is")
+            where = (
+                "1 GPU is"
+                if self._gpus == 1
+                else ("the CPU was asked for" if self.device_request == "cpu" else "no GPU is")
+            )
             warn(f"dp: {where} in use, so DataParallel has nothing to split over; running as 'single'")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
@@ -40,13 +45,17 @@ class DataParallelBackend(LocalBackend):
         if self._gpus < 2:
             return model
         if has_batchnorm(model):
-            warn("dp: DataParallel normalises each GPU's slice of the batch with that slice's statistics "
-                 "and keeps cuda:0's running statistics only; BatchNorm layers do not compute what one device does")
+            warn(
+                "dp: DataParallel normalises each GPU's slice of the batch with that slice's statistics "
+                "and keeps cuda:0's running statistics only; BatchNorm layers do not compute what one device does"
+            )
         return nn.DataParallel(model)
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self._gpus < 2:
             return model  # one device: the statistics are the whole batch's already
-        raise ParallelxError(f"dp: DataParallel cannot synchronise BatchNorm across its {self._gpus} GPUs (each "
-                             "replica normalises its slice); use ddp (torchrun --nproc-per-node N ... --backend "
-                             "ddp), whose sync_batchnorm does")
+        raise ParallelxError(
+            f"dp: DataParallel cannot synchronise BatchNorm across its {self._gpus} GPUs (each "
+            "replica normalises its slice); use ddp (torchrun --nproc-per-node N ... --backend "
+            "ddp), whose sync_batchnorm does"
+        )

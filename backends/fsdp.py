@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -85,8 +84,10 @@ def parse_shard(text: str | None) -> list[type[nn.Module]] | None:
     for name in (t.strip() for t in text.split(",") if t.strip()):
         cls = getattr(nn, name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ParallelxError(f"fsdp: --fsdp-shard names {name!r}, which is not a torch.nn module type; "
-                                 "give names such as Linear,Conv2d (or auto)")
+            raise ParallelxError(
+                f"fsdp: --fsdp-shard names {name!r}, which is not a torch.nn module type; "
+                "give names such as Linear,Conv2d (or auto)"
+            )
         types.append(cls)
     return types
 
@@ -95,14 +96,22 @@ class FSDPBackend(ProcessGroupBackend):
     name = "fsdp"
     summary = "`fully_shard` (FSDP2): parameters, gradients and optimizer state sharded; NCCL on GPUs, Gloo on the CPU"
     launcher = TORCHRUN
-    probe_code = ("import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
-                  "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')")
+    probe_code = (
+        "import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
+        "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
+    )
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
     environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
 
-    def __init__(self, *, shard: ShardPolicy = None, reshard_after_forward: bool = True,
-                 sharded_checkpoints: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        shard: ShardPolicy = None,
+        reshard_after_forward: bool = True,
+        sharded_checkpoints: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if shard is not None and not callable(shard):
             shard = tuple(shard)
@@ -115,23 +124,35 @@ class FSDPBackend(ProcessGroupBackend):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("fsdp")
-        group.add_argument("--fsdp-shard", default=None, metavar="TYPES",
-                           help="modules sharded as units before the root: auto (each child holding 10%% or more "
-                                "of the parameters) or torch.nn type names, e.g. Linear,Conv2d (default: auto)"
-                                "%(default).0s")
-        group.add_argument("--fsdp-no-reshard-after-forward", action="store_true",
-                           help="keep each unit's gathered parameters from the forward to the backward "
-                                "(more memory, one all-gather less)")
-        group.add_argument("--fsdp-sharded-checkpoints", action="store_true",
-                           help="training-state checkpoints hold each rank's shards (torch.distributed.checkpoint); "
-                                "python -m parallelx convert-checkpoint makes a portable file of one")
+        group.add_argument(
+            "--fsdp-shard",
+            default=None,
+            metavar="TYPES",
+            help="modules sharded as units before the root: auto (each child holding 10%% or more "
+            "of the parameters) or torch.nn type names, e.g. Linear,Conv2d (default: auto)"
+            "%(default).0s",
+        )
+        group.add_argument(
+            "--fsdp-no-reshard-after-forward",
+            action="store_true",
+            help="keep each unit's gathered parameters from the forward to the backward "
+            "(more memory, one all-gather less)",
+        )
+        group.add_argument(
+            "--fsdp-sharded-checkpoints",
+            action="store_true",
+            help="training-state checkpoints hold each rank's shards (torch.distributed.checkpoint); "
+            "python -m parallelx convert-checkpoint makes a portable file of one",
+        )
 
     @classmethod
     def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         options = super().options_from_args(args)
-        options.update(shard=parse_shard(getattr(args, "fsdp_shard", None)),
-                       reshard_after_forward=not getattr(args, "fsdp_no_reshard_after_forward", False),
-                       sharded_checkpoints=getattr(args, "fsdp_sharded_checkpoints", False))
+        options.update(
+            shard=parse_shard(getattr(args, "fsdp_shard", None)),
+            reshard_after_forward=not getattr(args, "fsdp_no_reshard_after_forward", False),
+            sharded_checkpoints=getattr(args, "fsdp_sharded_checkpoints", False),
+        )
         return options
 
     def _init(self) -> None:
@@ -187,8 +208,10 @@ class FSDPBackend(ProcessGroupBackend):
                     if any(p is q for m in self._models for q in m.parameters()):
                         new.append(p)
                         continue
-                    raise ParallelxError("fsdp: this optimizer's parameters belong to no model passed to "
-                                         "wrap_model; call `model = backend.wrap_model(model)` first")
+                    raise ParallelxError(
+                        "fsdp: this optimizer's parameters belong to no model passed to "
+                        "wrap_model; call `model = backend.wrap_model(model)` first"
+                    )
                 model, name = self._renamed.pop(id(p))
                 swapped[id(p)] = model.get_parameter(name)
                 new.append(swapped[id(p)])
@@ -196,8 +219,10 @@ class FSDPBackend(ProcessGroupBackend):
         for old_id, p in swapped.items():
             old = next((q for q in optimizer.state if id(q) == old_id), None)
             if old is not None:  # state made before set-up: now whole tensors for sharded parameters
-                optimizer.state[p] = {k: fsdp_state.like(v, p) if torch.is_tensor(v) and v.dim() else v
-                                      for k, v in optimizer.state.pop(old).items()}
+                optimizer.state[p] = {
+                    k: fsdp_state.like(v, p) if torch.is_tensor(v) and v.dim() else v
+                    for k, v in optimizer.state.pop(old).items()
+                }
         if self.world_size > 1:
             # Backend.wrap_optimizer looked for the models by the parameters before the swap.
             self._buffer_sync.attach([p for g in optimizer.param_groups for p in g["params"]], optimizer)
@@ -215,12 +240,14 @@ class FSDPBackend(ProcessGroupBackend):
             finally:
                 for m in self._models:
                     m.set_requires_gradient_sync(True)  # type: ignore[operator]
+
         return local()
 
     def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         # When it clips the norm scales the update: each parameter's whole gradient norm, as torch's to the bit.
-        norm = fsdp_state.grad_norm(optimizer, exact=max_norm is not None,
-                                    all_reduce=lambda t: self.all_reduce(t, "sum"))
+        norm = fsdp_state.grad_norm(
+            optimizer, exact=max_norm is not None, all_reduce=lambda t: self.all_reduce(t, "sum")
+        )
         if max_norm is not None:
             fsdp_state.clip_(optimizer, max_norm, norm)
         return norm
@@ -252,8 +279,14 @@ class FSDPBackend(ProcessGroupBackend):
             fsdp_state.load_model_state(self.unwrap(target), state)
             return
         # A plain torch.optim state (positions, in group order), as optimizer_state_dict gives.
-        model = next((m for m in self._models if any(p is q for g in target.param_groups for p in g["params"]
-                                                    for q in m.parameters())), None)
+        model = next(
+            (
+                m
+                for m in self._models
+                if any(p is q for g in target.param_groups for p in g["params"] for q in m.parameters())
+            ),
+            None,
+        )
         if model is None:
             raise ParallelxError("fsdp: this optimizer trains no model set up by this backend")
         names = [[fsdp_state.param_names(model)[id(p)] for p in g["params"]] for g in target.param_groups]
@@ -262,7 +295,8 @@ class FSDPBackend(ProcessGroupBackend):
     def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
         return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
 
-    def load_sharded_state(self, model: nn.Module, optimizer: Any, directory: Any,
-                           param_groups: list[dict[str, Any]]) -> bool:
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Any, directory: Any, param_groups: list[dict[str, Any]]
+    ) -> bool:
         fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, param_groups)
         return True

@@ -48,8 +48,10 @@ class HorovodBackend(Backend):
     # collective is not shut down by Horovod's stall inspector.
     needs_watchdog = True
     install_hint = INSTALL_HINT
-    probe_code = ("import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
-                  "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')")
+    probe_code = (
+        "import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
+        "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')"
+    )
 
     # hvd.init() forms the world from horovodrun's variables; without them, a world of one.
     # Not srun's tasks (this build has no MPI: horovodrun with the allocation's hosts) nor Ray (which dropped Horovod).
@@ -64,9 +66,11 @@ class HorovodBackend(Backend):
         # is not shut down by the stall inspector, hence needs_watchdog; a rank
         # that *exits* is handled by horovodrun, which then stops every other rank.
         timeout = max(1, int(self.timeout_s))
-        for key, value in (("HOROVOD_GLOO_TIMEOUT_SECONDS", timeout),
-                           ("HOROVOD_STALL_CHECK_TIME_SECONDS", min(60, timeout)),
-                           ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout)):
+        for key, value in (
+            ("HOROVOD_GLOO_TIMEOUT_SECONDS", timeout),
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", min(60, timeout)),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout),
+        ):
             if self.timeout_explicit or os.environ.get(key, "0") in ("", "0"):
                 os.environ[key] = str(value)
         assert self.environment is not None
@@ -74,19 +78,25 @@ class HorovodBackend(Backend):
         try:
             import horovod.torch as hvd
         except ImportError as exc:
-            raise BackendUnavailableError(f"horovod is installed but horovod.torch does not load ({exc}); "
-                                          f"it was probably built for another torch: {INSTALL_HINT}") from None
+            raise BackendUnavailableError(
+                f"horovod is installed but horovod.torch does not load ({exc}); "
+                f"it was probably built for another torch: {INSTALL_HINT}"
+            ) from None
         self.hvd = hvd
         hvd.init()
         self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
         self._local_world_size = hvd.local_size()
         if not launched:
-            warn(f"horovod: no launcher found, running as a world of 1 process; for N processes start with "
-                 f"`{self.launcher.usage()}`")
+            warn(
+                f"horovod: no launcher found, running as a world of 1 process; for N processes start with "
+                f"`{self.launcher.usage()}`"
+            )
         # Horovod moves CUDA tensors with NCCL only when it was built with it.
         if self.device_request == "cuda" and not hvd.nccl_built():
-            raise ParallelxError("horovod: device 'cuda' asked for, but this Horovod was built without NCCL; "
-                                 f"rebuild it on the GPU machine ({INSTALL_HINT}) or use --device cpu")
+            raise ParallelxError(
+                "horovod: device 'cuda' asked for, but this Horovod was built without NCCL; "
+                f"rebuild it on the GPU machine ({INSTALL_HINT}) or use --device cpu"
+            )
         self._device = self._pick_device(self._local_rank) if hvd.nccl_built() else torch.device("cpu")
         self._models: list[nn.Module] = []
 
@@ -109,9 +119,11 @@ class HorovodBackend(Backend):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         unknown = [p for p in params if id(p) not in names]
         if unknown:
-            raise ParallelxError(f"horovod: {len(unknown)} parameter(s) of this optimizer belong to no model passed "
-                                 "to wrap_model; call wrap_model(model) first, and build the optimizer on "
-                                 "model.parameters()")
+            raise ParallelxError(
+                f"horovod: {len(unknown)} parameter(s) of this optimizer belong to no model passed "
+                "to wrap_model; call wrap_model(model) first, and build the optimizer on "
+                "model.parameters()"
+            )
         return [(names[id(p)], p) for p in params]
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -121,8 +133,13 @@ class HorovodBackend(Backend):
         # backward_passes_per_step: the all-reduce fires on the window's last
         # backward; a shorter last window is completed by synchronize() in step().
         dist_opt = hvd.DistributedOptimizer(
-            optimizer, named_parameters=named, op=hvd.Average, compression=compression,
-            backward_passes_per_step=self.options.accumulate, gradient_predivide_factor=1.0)
+            optimizer,
+            named_parameters=named,
+            op=hvd.Average,
+            compression=compression,
+            backward_passes_per_step=self.options.accumulate,
+            gradient_predivide_factor=1.0,
+        )
         # hvd.broadcast_optimizer_state initialises an empty state with a
         # zero-gradient step, which weight decay turns into a real update.  A
         # fresh optimizer is empty (hence equal) on every rank, so only a
@@ -130,8 +147,9 @@ class HorovodBackend(Backend):
         has_state = torch.tensor([1 if optimizer.state_dict()["state"] else 0])
         agree = self.all_reduce(has_state, op="sum").item()
         if agree not in (0, self.world_size):
-            raise ParallelxError("horovod: optimizer state was loaded on some ranks but not others; "
-                                 "load the checkpoint on every rank")
+            raise ParallelxError(
+                "horovod: optimizer state was loaded on some ranks but not others; load the checkpoint on every rank"
+            )
         if agree:
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
         return dist_opt
@@ -139,8 +157,10 @@ class HorovodBackend(Backend):
     # ------------------------------------------------------ the training loop
     def _check_options(self, options: LoopOptions) -> None:
         if options.grad_compression == "bf16":
-            raise ParallelxError("horovod: --grad-compression bf16 is not available: Horovod has no bfloat16 "
-                                 "tensor support; use fp16 (hvd.Compression.fp16) or none")
+            raise ParallelxError(
+                "horovod: --grad-compression bf16 is not available: Horovod has no bfloat16 "
+                "tensor support; use fp16 (hvd.Compression.fp16) or none"
+            )
 
     def _sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Wait for the all-reduces (and start those a short window never

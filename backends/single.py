@@ -1,6 +1,6 @@
 """``single``: one process on one device (``cuda:0`` if present, else the CPU).
 
-    python -m recipes.cifar10 --backend single
+python -m recipes.cifar10 --backend single
 """
 
 from __future__ import annotations

@@ -30,19 +30,35 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
     impl = IMPLS[job.impl]
     out, plan_file, log = job.out(work), work / "plans" / f"{job.tag}.json", work / "logs" / f"{job.tag}.log"
     plan_file.parent.mkdir(parents=True, exist_ok=True)
-    Plan(impl=job.impl, nproc=job.nproc, threads=job.threads, out=str(out), cases=job.cases,
-         bind_cores=machine.bind_cores).dump(plan_file)
+    Plan(
+        impl=job.impl,
+        nproc=job.nproc,
+        threads=job.threads,
+        out=str(out),
+        cases=job.cases,
+        bind_cores=machine.bind_cores,
+    ).dump(plan_file)
     shutil.rmtree(out, ignore_errors=True)  # an earlier run's leftovers in a reused --work-dir would be read as ours
     print(f"[bench] {job.tag}: {' '.join(c.id for c in job.cases)}", flush=True)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           # Every launcher gets the same explicit thread count (torchrun would otherwise force 1,
-           # the others leave torch at all cores).
-           "OMP_NUM_THREADS": str(job.threads), "MKL_NUM_THREADS": str(job.threads),
-           "PARALLELX_TIMEOUT": str(int(timeout_s))}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        # Every launcher gets the same explicit thread count (torchrun would otherwise force 1,
+        # the others leave torch at all cores).
+        "OMP_NUM_THREADS": str(job.threads),
+        "MKL_NUM_THREADS": str(job.threads),
+        "PARALLELX_TIMEOUT": str(int(timeout_s)),
+    }
     begin = time.monotonic()
-    done = runner.launch(parallelx.backend_class(impl.family).launcher,
-                         ["-m", impl.module, *impl.args, "--plan", str(plan_file), *job.extra_args], job.nproc,
-                         timeout=timeout_s, env=env, cwd=ROOT, log=log, die_with_parent=True)
+    done = runner.launch(
+        parallelx.backend_class(impl.family).launcher,
+        ["-m", impl.module, *impl.args, "--plan", str(plan_file), *job.extra_args],
+        job.nproc,
+        timeout=timeout_s,
+        env=env,
+        cwd=ROOT,
+        log=log,
+        die_with_parent=True,
+    )
     job.seconds = time.monotonic() - begin
     missing = [c.id for c in job.cases if not result_path(out, job.impl, c, 0).is_file()]
     if (error := done.error()) is not None:

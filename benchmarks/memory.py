@@ -42,7 +42,8 @@ from parallelx import runner
 
 #: name -> (backend, extra arguments)
 CASES: dict[str, tuple[str, list[str]]] = {
-    "ddp": ("ddp", []), **{f"zero{z}": ("deepspeed", ["--zero-stage", str(z)]) for z in (1, 2, 3)},
+    "ddp": ("ddp", []),
+    **{f"zero{z}": ("deepspeed", ["--zero-stage", str(z)]) for z in (1, 2, 3)},
     # DeepSpeed's default reduce bucket (5e8 elements, 1.9 GiB in float32) is held by every ZeRO-3 rank.
     "zero3-bucket5e7": ("deepspeed", ["--zero-stage", "3", "--deepspeed-config", "{work}/bucket5e7.json"]),
     "fsdp": ("fsdp", []),
@@ -80,8 +81,7 @@ def live_tensor_bytes(exclude: set[int]) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    case = Case(model=args.model, batch=args.batch, image_size=args.image_size, warmup=1, steps=args.steps,
-                lr=0.01)
+    case = Case(model=args.model, batch=args.batch, image_size=args.image_size, warmup=1, steps=args.steps, lr=0.01)
     backend = parallelx.from_args(args)
     with backend:
         model = build_model(case)
@@ -97,17 +97,27 @@ def worker(args: argparse.Namespace) -> int:
             backend.backward(loss)
             if i == case.warmup + case.steps - 1:  # gradients and optimizer state both alive
                 params = list(model.parameters())
-                held = {"params": _bytes(_local(p) for p in params),
-                        "grads": _bytes(_local(p.grad) for p in params if p.grad is not None),
-                        "model_state": live_tensor_bytes(data)}
+                held = {
+                    "params": _bytes(_local(p) for p in params),
+                    "grads": _bytes(_local(p.grad) for p in params if p.grad is not None),
+                    "model_state": live_tensor_bytes(data),
+                }
             backend.step(optimizer)
             if i >= case.warmup:
                 times.append(time.perf_counter() - start)
-        peak = (torch.cuda.max_memory_allocated(backend.device) if backend.device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        report = {**held, "peak": peak, "peak_kind": "max_memory_allocated" if backend.device.type == "cuda"
-                  else "peak RSS", "step_s": statistics.median(times), "world_size": backend.world_size,
-                  "comm": dist.get_backend() if dist.is_initialized() else None}
+        peak = (
+            torch.cuda.max_memory_allocated(backend.device)
+            if backend.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
+        report = {
+            **held,
+            "peak": peak,
+            "peak_kind": "max_memory_allocated" if backend.device.type == "cuda" else "peak RSS",
+            "step_s": statistics.median(times),
+            "world_size": backend.world_size,
+            "comm": dist.get_backend() if dist.is_initialized() else None,
+        }
         rows = backend.all_gather_object(report)
         if backend.is_main():
             Path(args.out).write_text(json.dumps(rows))
@@ -120,22 +130,49 @@ def run_case(name: str, nproc: int, args: argparse.Namespace, work: Path) -> lis
         (work / file).write_text(json.dumps(config))
     extra = [a.format(work=work) for a in extra]
     out = work / f"{name}-n{nproc}.json"
-    target = ["-m", "benchmarks.memory", "--worker", "--backend", backend, *extra, "--model", args.model,
-              "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
-              "--out", str(out), *(["--precision", args.precision] if args.precision else [])]
-    done = runner.launch(parallelx.backend_class(backend).launcher, target, nproc, timeout=args.launch_timeout,
-                         cwd=Path(__file__).resolve().parents[1], env={"OMP_NUM_THREADS": "1"})
+    target = [
+        "-m",
+        "benchmarks.memory",
+        "--worker",
+        "--backend",
+        backend,
+        *extra,
+        "--model",
+        args.model,
+        "--batch",
+        str(args.batch),
+        "--image-size",
+        str(args.image_size),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+        *(["--precision", args.precision] if args.precision else []),
+    ]
+    done = runner.launch(
+        parallelx.backend_class(backend).launcher,
+        target,
+        nproc,
+        timeout=args.launch_timeout,
+        cwd=Path(__file__).resolve().parents[1],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     if done.returncode != 0 or not out.is_file():
-        print(f"{name} n={nproc}: failed (exit {done.returncode}):\n" + "\n".join(done.output.splitlines()[-15:]),
-              file=sys.stderr)
+        print(
+            f"{name} n={nproc}: failed (exit {done.returncode}):\n" + "\n".join(done.output.splitlines()[-15:]),
+            file=sys.stderr,
+        )
         return []
     return json.loads(out.read_text())
 
 
 def table(results: dict[str, dict[int, list[dict[str, Any]]]]) -> str:
-    mib = 2 ** 20
-    lines = ["| case | processes | params / rank | grads / rank | model state / rank | vs ddp | peak / rank | "
-             "step time vs ddp |", "|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    lines = [
+        "| case | processes | params / rank | grads / rank | model state / rank | vs ddp | peak / rank | "
+        "step time vs ddp |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, by_n in results.items():
         for n, rows in sorted(by_n.items()):
             if not rows:
@@ -145,9 +182,11 @@ def table(results: dict[str, dict[int, list[dict[str, Any]]]]) -> str:
             worst = max(rows, key=lambda r: r["model_state"])
             ratio = worst["model_state"] / max(r["model_state"] for r in ddp)
             speed = statistics.mean(r["step_s"] for r in rows) / statistics.mean(r["step_s"] for r in ddp)
-            lines.append(f"| {name} | {n} | {worst['params'] / mib:.0f} MiB | {worst['grads'] / mib:.0f} MiB | "
-                         f"{worst['model_state'] / mib:.0f} MiB | {ratio:.2f} | "
-                         f"{max(r['peak'] for r in rows) / mib:.0f} MiB ({rows[0]['peak_kind']}) | {speed:.2f} |")
+            lines.append(
+                f"| {name} | {n} | {worst['params'] / mib:.0f} MiB | {worst['grads'] / mib:.0f} MiB | "
+                f"{worst['model_state'] / mib:.0f} MiB | {ratio:.2f} | "
+                f"{max(r['peak'] for r in rows) / mib:.0f} MiB ({rows[0]['peak_kind']}) | {speed:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -95,11 +95,14 @@ def init_deepspeed() -> World:
 def prepare_deepspeed(case: workload.Case, world: World) -> tuple[workload.Step, nn.Module]:
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": case.batch, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0},
-              # DeepSpeed clips at norm 1.0 by default since 0.19.3 (the guide predates it): off, as DDP's math.
-              "gradient_clipping": 0.0,
-              "steps_per_print": 10**9}  # no progress lines inside the timed loop
+    config = {
+        "train_micro_batch_size_per_gpu": case.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        # DeepSpeed clips at norm 1.0 by default since 0.19.3 (the guide predates it): off, as DDP's math.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }  # no progress lines inside the timed loop
     model = workload.build_model(case)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=workload.make_optimizer(model, case), config=config)
 
@@ -114,8 +117,10 @@ def prepare_deepspeed(case: workload.Case, world: World) -> tuple[workload.Step,
 
 Prepare = Callable[[workload.Case, World], tuple[workload.Step, nn.Module]]
 FRAMEWORKS: dict[str, tuple[Callable[[], World], Prepare]] = {
-    "ddp": (init_ddp, prepare_ddp), "horovod": (init_horovod, prepare_horovod),
-    "deepspeed": (init_deepspeed, prepare_deepspeed)}
+    "ddp": (init_ddp, prepare_ddp),
+    "horovod": (init_horovod, prepare_horovod),
+    "deepspeed": (init_deepspeed, prepare_deepspeed),
+}
 
 
 @exit_on_error
@@ -125,8 +130,14 @@ def main() -> int:
     args, plan = workload.worker_args(parser)
     init, prepare = FRAMEWORKS[args.framework]
     world = init()
-    workload.run_plan(plan, lambda case: prepare(case, world), rank=world.rank, local_rank=world.local_rank,
-                      world_size=world.size, device=world.device)
+    workload.run_plan(
+        plan,
+        lambda case: prepare(case, world),
+        rank=world.rank,
+        local_rank=world.local_rank,
+        world_size=world.size,
+        device=world.device,
+    )
     world.finish()
     return 0
 

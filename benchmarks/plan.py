@@ -47,18 +47,47 @@ LOOP_ACCUMULATE = 4
 _ACC, _BF16 = ("--accumulate", str(LOOP_ACCUMULATE)), ("--grad-compression", "bf16")
 #: benchmarks.loops: the baseline first (one process with all the cores), then plain DDP and each
 #: option alone and together.
-LOOPS = tuple(LoopConfig(*row) for row in (
-    ("single", "single", (), "1 process (all cores)",
-     "the baseline: no communication, both cores in one process's torch threads"),
-    ("single-acc4", "single", _ACC, "1 process, accumulate 4",
-     "one optimizer step per 4 micro-batches (the only saving accumulation gives one process)"),
-    ("ddp", "ddp", (), "DDP", "one gradient all-reduce per micro-batch"),
-    ("ddp-acc4", "ddp", _ACC, "DDP, accumulate 4",
-     "one all-reduce (and one optimizer step) per 4 micro-batches: DDP's no_sync inside the window"),
-    ("ddp-bf16", "ddp", _BF16, "DDP, bf16 gradients",
-     "half the bytes on the wire (bfloat16 comm hook), for two casts per step"),
-    ("ddp-acc4-bf16", "ddp", (*_ACC, *_BF16), "DDP, accumulate 4 + bf16",
-     "both: a quarter of the all-reduces, each half as large")))
+LOOPS = tuple(
+    LoopConfig(*row)
+    for row in (
+        (
+            "single",
+            "single",
+            (),
+            "1 process (all cores)",
+            "the baseline: no communication, both cores in one process's torch threads",
+        ),
+        (
+            "single-acc4",
+            "single",
+            _ACC,
+            "1 process, accumulate 4",
+            "one optimizer step per 4 micro-batches (the only saving accumulation gives one process)",
+        ),
+        ("ddp", "ddp", (), "DDP", "one gradient all-reduce per micro-batch"),
+        (
+            "ddp-acc4",
+            "ddp",
+            _ACC,
+            "DDP, accumulate 4",
+            "one all-reduce (and one optimizer step) per 4 micro-batches: DDP's no_sync inside the window",
+        ),
+        (
+            "ddp-bf16",
+            "ddp",
+            _BF16,
+            "DDP, bf16 gradients",
+            "half the bytes on the wire (bfloat16 comm hook), for two casts per step",
+        ),
+        (
+            "ddp-acc4-bf16",
+            "ddp",
+            (*_ACC, *_BF16),
+            "DDP, accumulate 4 + bf16",
+            "both: a quarter of the all-reduces, each half as large",
+        ),
+    )
+)
 
 
 def _impls() -> dict[str, Impl]:
@@ -66,15 +95,38 @@ def _impls() -> dict[str, Impl]:
         return Impl(name=name, family=family, module="benchmarks.plain", args=("--framework", family), label=label)
 
     px = "benchmarks.px_worker"
-    out = [i for f in FAMILIES for i in (plain(f"raw-{f}", f, f"{TITLES[f]} (plain)"), Impl(
-        name=f"px-{f}", family=f, module=px, args=("--backend", f), label=f"{TITLES[f]} (parallelx)"))]
+    out = [
+        i
+        for f in FAMILIES
+        for i in (
+            plain(f"raw-{f}", f, f"{TITLES[f]} (plain)"),
+            Impl(name=f"px-{f}", family=f, module=px, args=("--backend", f), label=f"{TITLES[f]} (parallelx)"),
+        )
+    ]
     # --control: each plain script a second time, compared with itself.  No difference exists by
     # construction, so its ratio and interval show what the machine's noise alone makes of a ratio.
     out += [plain(f"ctl-{f}", f, f"{TITLES[f]} (plain, again)") for f in FAMILIES]
-    out += [Impl(name=f"same-{f}", family=f, module="benchmarks.same_process", args=("--backend", f),
-                 label=f"{TITLES[f]} (same process)", paired=True) for f in FAMILIES]
-    out += [Impl(name=f"loop-{c.name}", family=c.backend, module=px, label=c.label,
-                 args=("--backend", c.backend, "--loop", *c.options)) for c in LOOPS]
+    out += [
+        Impl(
+            name=f"same-{f}",
+            family=f,
+            module="benchmarks.same_process",
+            args=("--backend", f),
+            label=f"{TITLES[f]} (same process)",
+            paired=True,
+        )
+        for f in FAMILIES
+    ]
+    out += [
+        Impl(
+            name=f"loop-{c.name}",
+            family=c.backend,
+            module=px,
+            label=c.label,
+            args=("--backend", c.backend, "--loop", *c.options),
+        )
+        for c in LOOPS
+    ]
     return {i.name: i for i in out}
 
 
@@ -103,17 +155,56 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # Only checks that everything runs; its numbers mean nothing.
-    "smoke": Preset(lenet_batches=(32,), lenet_batch=32, lenet_warmup=1, lenet_steps=3, vgg_batch=2,
-                    vgg_warmup=0, vgg_steps=1, image_size=32, repeats=1, vgg_repeats=1, scaling_all=False,
-                    same_blocks=2, same_steps=2, timeout_s=240),
+    "smoke": Preset(
+        lenet_batches=(32,),
+        lenet_batch=32,
+        lenet_warmup=1,
+        lenet_steps=3,
+        vgg_batch=2,
+        vgg_warmup=0,
+        vgg_steps=1,
+        image_size=32,
+        repeats=1,
+        vgg_repeats=1,
+        scaling_all=False,
+        same_blocks=2,
+        same_steps=2,
+        timeout_s=240,
+    ),
     # A 2-core CPU machine in under 5 minutes: VGG16 (138 M parameters) for a few steps in the first round.
-    "quick": Preset(lenet_batches=(64, 128, 256), lenet_batch=256, lenet_warmup=3, lenet_steps=30, vgg_batch=4,
-                    vgg_warmup=1, vgg_steps=2, image_size=64, repeats=2, vgg_repeats=1, scaling_all=False,
-                    same_blocks=10, same_steps=8, timeout_s=240),
+    "quick": Preset(
+        lenet_batches=(64, 128, 256),
+        lenet_batch=256,
+        lenet_warmup=3,
+        lenet_steps=30,
+        vgg_batch=4,
+        vgg_warmup=1,
+        vgg_steps=2,
+        image_size=64,
+        repeats=2,
+        vgg_repeats=1,
+        scaling_all=False,
+        same_blocks=10,
+        same_steps=8,
+        timeout_s=240,
+    ),
     # Real hardware (GPUs: one process each, NCCL).
-    "full": Preset(lenet_batches=(64, 128, 256, 512), lenet_batch=256, lenet_warmup=20, lenet_steps=200,
-                   vgg_batch=32, vgg_warmup=5, vgg_steps=40, image_size=224, repeats=4, vgg_repeats=2,
-                   scaling_all=True, same_blocks=20, same_steps=50, timeout_s=1800),
+    "full": Preset(
+        lenet_batches=(64, 128, 256, 512),
+        lenet_batch=256,
+        lenet_warmup=20,
+        lenet_steps=200,
+        vgg_batch=32,
+        vgg_warmup=5,
+        vgg_steps=40,
+        image_size=224,
+        repeats=4,
+        vgg_repeats=2,
+        scaling_all=True,
+        same_blocks=20,
+        same_steps=50,
+        timeout_s=1800,
+    ),
 }
 
 
@@ -160,18 +251,38 @@ def detect_machine(nproc: int | None, bind_cores: bool = True) -> Machine:
     if n < 1:
         raise BenchError(f"--nproc must be >= 1, got {n}")
     # Pinning is for CPU runs only: on GPUs the cores' layout (NUMA) is the launcher's business.
-    return Machine(gpus=gpus, cores=cores, nproc=n, threads_n=max(1, cores // n), threads_1=max(1, cores),
-                   comm="nccl" if gpus else "gloo",
-                   bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"))
+    return Machine(
+        gpus=gpus,
+        cores=cores,
+        nproc=n,
+        threads_n=max(1, cores // n),
+        threads_1=max(1, cores),
+        comm="nccl" if gpus else "gloo",
+        bind_cores=bind_cores and gpus == 0 and hasattr(os, "sched_setaffinity"),
+    )
 
 
 def lenet(batch: int, p: Preset, save: bool, threads: int | None = None) -> Case:
-    return Case(model="lenet", batch=batch, image_size=32, warmup=p.lenet_warmup, steps=p.lenet_steps, lr=0.01,
-                save_weights=save, threads=threads)
+    return Case(
+        model="lenet",
+        batch=batch,
+        image_size=32,
+        warmup=p.lenet_warmup,
+        steps=p.lenet_steps,
+        lr=0.01,
+        save_weights=save,
+        threads=threads,
+    )
 
 
-def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, control: Sequence[str] = (),
-             same_process: tuple[str, ...] = ()) -> list[Job]:
+def schedule(
+    p: Preset,
+    parts: list[str],
+    models: list[str],
+    machine: Machine,
+    control: Sequence[str] = (),
+    same_process: tuple[str, ...] = (),
+) -> list[Job]:
     """Every launch, in order.  Within a round, the launches compared with
     each other (a backend's plain script, parallelx, and for the families in
     ``control`` the plain script again) are adjacent, and their order
@@ -194,22 +305,56 @@ def schedule(p: Preset, parts: list[str], models: list[str], machine: Machine, c
             variants.append(machine.threads_n)
         out = [lenet(b, p, save, t) for b in sorted(batches) for t in variants] if "lenet" in models else []
         if with_vgg and (not one_process or p.scaling_all):
-            out += [Case(model="vgg16", batch=p.vgg_batch, image_size=p.image_size, warmup=p.vgg_warmup,
-                         steps=p.vgg_steps, lr=0.001, save_weights=save, threads=t) for t in variants]
+            out += [
+                Case(
+                    model="vgg16",
+                    batch=p.vgg_batch,
+                    image_size=p.image_size,
+                    warmup=p.vgg_warmup,
+                    steps=p.vgg_steps,
+                    lr=0.001,
+                    save_weights=save,
+                    threads=t,
+                )
+                for t in variants
+            ]
         return out
 
     jobs: list[Job] = []
     for r in range(p.repeats):
         save, with_vgg = r == 0, "vgg16" in models and r < p.vgg_repeats  # one set of final weights is enough
         for group in groups:
-            for impl in group[r % len(group):] + group[:r % len(group)]:
-                jobs.append(Job(impl=impl, nproc=n, threads=machine.threads_n, repeat=r,
-                                cases=cases(IMPLS[impl].family, save, with_vgg)))
+            for impl in group[r % len(group) :] + group[: r % len(group)]:
+                jobs.append(
+                    Job(
+                        impl=impl,
+                        nproc=n,
+                        threads=machine.threads_n,
+                        repeat=r,
+                        cases=cases(IMPLS[impl].family, save, with_vgg),
+                    )
+                )
         for impl in singles if r % 2 == 0 else singles[::-1]:
-            jobs.append(Job(impl=impl, nproc=1, threads=machine.threads_1, repeat=r,
-                            cases=cases(IMPLS[impl].family, save, with_vgg, one_process=True)))
+            jobs.append(
+                Job(
+                    impl=impl,
+                    nproc=1,
+                    threads=machine.threads_1,
+                    repeat=r,
+                    cases=cases(IMPLS[impl].family, save, with_vgg, one_process=True),
+                )
+            )
     if "lenet" in models and n > 1:
         case = replace(lenet(p.lenet_batch, p, False), warmup=2, steps=p.same_steps)
-        jobs += [Job(impl=f"same-{f}", nproc=n, threads=machine.threads_n, cases=[case], repeat=0,
-                     extra_args=("--blocks", str(p.same_blocks))) for f in same_process]
+        jobs += [
+            Job(
+                impl=f"same-{f}",
+                nproc=n,
+                threads=machine.threads_n,
+                cases=[case],
+                repeat=0,
+                extra_args=("--blocks", str(p.same_blocks)),
+            )
+            for f in same_process
+        ]
     return [j for j in jobs if j.cases]

@@ -76,9 +76,18 @@ def measure_loop(backend: parallelx.Backend, plan: workload.Plan, case: workload
     train(case.warmup, [])  # shorter than a window: one short window, ending in a full synchronising step
     windows: list[float] = []
     loss = train(case.steps, windows)
-    report = workload.rank_report(plan, case, backend.rank, backend.world_size, backend.device, loss,
-                                  options=asdict(backend.options), accumulate=k, window_times_s=windows,
-                                  step_times_s=[w / k for w in windows])
+    report = workload.rank_report(
+        plan,
+        case,
+        backend.rank,
+        backend.world_size,
+        backend.device,
+        loss,
+        options=asdict(backend.options),
+        accumulate=k,
+        window_times_s=windows,
+        step_times_s=[w / k for w in windows],
+    )
     return report
 
 
@@ -91,9 +100,15 @@ def main() -> int:
     args.batch_size = plan.cases[0].batch  # DeepSpeed's config wants the per-process micro-batch
     with parallelx.from_args(args).init() as backend:  # shut down even when a case raises
         if not args.loop:
-            workload.run_plan(plan, lambda case: prepare(backend, case), rank=backend.rank,
-                              local_rank=backend.local_rank, world_size=backend.world_size, device=backend.device,
-                              state_dict=backend.model_state_dict)
+            workload.run_plan(
+                plan,
+                lambda case: prepare(backend, case),
+                rank=backend.rank,
+                local_rank=backend.local_rank,
+                world_size=backend.world_size,
+                device=backend.device,
+                state_dict=backend.model_state_dict,
+            )
             return 0
         workload.check_world_size(plan, backend.world_size)
         for case in plan.cases:

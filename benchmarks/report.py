@@ -59,21 +59,28 @@ def _weights(c: dict[str, Any]) -> str:
 def header(meta: dict[str, Any]) -> list[str]:
     """The lines every report starts with: how it was run, on what, and how busy the machine was."""
     hw = meta["hardware"]
-    return [f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
-            f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
-            f"{', '.join(hw['gpus']) or 'no GPU'}",
-            "- Software: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items() if k != "parallelx"),
-            f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f} "
-            "(other jobs on the machine add to the spread)"]
+    return [
+        f"- Command: `{meta['command']}` (started {meta['started']}, {meta['wall_s']:.0f} s wall)",
+        f"- Hardware: {hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
+        f"{', '.join(hw['gpus']) or 'no GPU'}",
+        "- Software: " + ", ".join(f"{k} {val}" for k, val in meta["versions"].items() if k != "parallelx"),
+        f"- Load average at start / end: {meta['load_average_start'][0]:.2f} / {meta['load_average_end'][0]:.2f} "
+        "(other jobs on the machine add to the spread)",
+    ]
 
 
 def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     m, p = meta["machine"], meta["preset"]
-    pinned = ("each process pinned to its own core(s), the same for every implementation" if m.get("bind_cores")
-              else "processes not pinned to cores")
+    pinned = (
+        "each process pinned to its own core(s), the same for every implementation"
+        if m.get("bind_cores")
+        else "processes not pinned to cores"
+    )
     lines = [
-        f"# Benchmark results ({meta['mode']} mode)", "", *header(meta),
+        f"# Benchmark results ({meta['mode']} mode)",
+        "",
+        *header(meta),
         f"- Processes: {m['nproc']} per run ({m['comm']}), {m['threads_n']} torch thread(s) each; 1-process runs "
         f"use {m['threads_1']}; {pinned}",
         f"- Warm-up steps excluded; {p['repeats']} round(s) of alternating launches"
@@ -84,15 +91,19 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["Skipped: " + "; ".join(f"{k} ({why})" for k, why in meta["skipped"].items()), ""]
 
     if result["comparisons"]:
-        lines += ["## Overhead: median step time, measured / baseline", "",
-                  f"Target <= {meta['ratio_target']} for parallelx. 'launches': separate launches, rounds "
-                  "alternating; 'same process': one launch alternating blocks of both steps on two copies of the "
-                  "model. '(plain, again)' rows repeat the plain script: their spread is the noise. 95 % bootstrap "
-                  "interval over the rounds (blocks) in brackets; p10: ratio of the 10th-percentile step times; "
-                  f"final weights: max |diff| after the same steps (pass: <= {meta['weight_tolerance']:g}).", "",
-                  "| measured / baseline | how | case | procs | ms | baseline ms | ratio [95 % interval] "
-                  "| rounds below 1, range | p10 ratio | final weights |",
-                  "|---|---|---|---:|---:|---:|---:|---|---:|---|"]
+        lines += [
+            "## Overhead: median step time, measured / baseline",
+            "",
+            f"Target <= {meta['ratio_target']} for parallelx. 'launches': separate launches, rounds "
+            "alternating; 'same process': one launch alternating blocks of both steps on two copies of the "
+            "model. '(plain, again)' rows repeat the plain script: their spread is the noise. 95 % bootstrap "
+            "interval over the rounds (blocks) in brackets; p10: ratio of the 10th-percentile step times; "
+            f"final weights: max |diff| after the same steps (pass: <= {meta['weight_tolerance']:g}).",
+            "",
+            "| measured / baseline | how | case | procs | ms | baseline ms | ratio [95 % interval] "
+            "| rounds below 1, range | p10 ratio | final weights |",
+            "|---|---|---|---:|---:|---:|---:|---|---:|---|",
+        ]
         for c in result["comparisons"]:
             rounds = c["per_round"]
             how = c["how"] + (f", {c['steps_per_round']} steps a block" if "steps_per_round" in c else "")
@@ -100,35 +111,49 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {_label(c['impl'])} / {_label(c['baseline'])} | {how} | {c['case_id']} | {c['nproc']} | "
                 f"{_ms(c['median_step_s'])} | {_ms(c['baseline_median_step_s'])} | "
                 f"**{c['ratio']:.3f}**{ci(c['ci95'])} | {sum(r < 1 for r in rounds)} of {len(rounds)}, "
-                f"{min(rounds):.3f}-{max(rounds):.3f} | {_fmt(c['ratio_p10'], 3)} | {_weights(c)} |")
+                f"{min(rounds):.3f}-{max(rounds):.3f} | {_fmt(c['ratio_p10'], 3)} | {_weights(c)} |"
+            )
         lines.append("")
 
     if result["runs"]:
-        lines += ["## Throughput", "",
-                  "images/s = processes x batch / median step time; epoch s: one epoch of the real dataset "
-                  "(CIFAR-10 50,000 images, Dogs-vs-Cats 20,000) at that rate; peak RSS of the largest process "
-                  "(Python, torch and the framework included).", "",
-                  "| implementation | case | procs x threads | median step ms | images/s | epoch s | peak RSS MiB |",
-                  "|---|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {_label(r['impl'])} | {r['case_id']} | {r['nproc']} x {r['threads']} | {_ms(r['median_step_s'])} "
-                  f"| {_fmt(r['images_per_s'])} | {_fmt(r['epoch_s_projected'])} | {_fmt(r['peak_rss_mib'])} |"
-                  for r in result["runs"]]
+        lines += [
+            "## Throughput",
+            "",
+            "images/s = processes x batch / median step time; epoch s: one epoch of the real dataset "
+            "(CIFAR-10 50,000 images, Dogs-vs-Cats 20,000) at that rate; peak RSS of the largest process "
+            "(Python, torch and the framework included).",
+            "",
+            "| implementation | case | procs x threads | median step ms | images/s | epoch s | peak RSS MiB |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {_label(r['impl'])} | {r['case_id']} | {r['nproc']} x {r['threads']} | {_ms(r['median_step_s'])} "
+            f"| {_fmt(r['images_per_s'])} | {_fmt(r['epoch_s_projected'])} | {_fmt(r['peak_rss_mib'])} |"
+            for r in result["runs"]
+        ]
         lines.append("")
 
     if result["scaling"]:
         n, t1, tn = m["nproc"], m["threads_1"], m["threads_n"]
-        lines += [f"## Scaling: {n} processes against 1", "",
-                  f"speedup = images/s of {n} processes ({tn} thread(s) each) / images/s of 1 process with all "
-                  f"{t1} threads (same hardware) or with {tn} (same resources per process); efficiency = speedup "
-                  f"/ {n}; 95 % bootstrap interval over the rounds in brackets.", "",
-                  f"| implementation | case | {n} procs images/s | 1 x {t1} thr images/s | speedup "
-                  f"| 1 x {tn} thr images/s | speedup | efficiency |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## Scaling: {n} processes against 1",
+            "",
+            f"speedup = images/s of {n} processes ({tn} thread(s) each) / images/s of 1 process with all "
+            f"{t1} threads (same hardware) or with {tn} (same resources per process); efficiency = speedup "
+            f"/ {n}; 95 % bootstrap interval over the rounds in brackets.",
+            "",
+            f"| implementation | case | {n} procs images/s | 1 x {t1} thr images/s | speedup "
+            f"| 1 x {tn} thr images/s | speedup | efficiency |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for sc in sorted(result["scaling"], key=lambda x: (x["model"] != "lenet", x["batch"], x["impl"])):
             cores, same = sc.get("all_cores"), sc.get("same_threads")
-            lines.append(f"| {_label(sc['impl'])} | {sc['case_id']} | {_fmt(sc['images_per_s_n'])} | "
-                         f"{_fmt(cores and cores['images_per_s_1'])} | {_x(cores)} | "
-                         f"{_fmt(same and same['images_per_s_1'])} | {_x(same, bold=True)} | "
-                         f"{'-' if same is None else format(same['efficiency'], '.0%')} |")
+            lines.append(
+                f"| {_label(sc['impl'])} | {sc['case_id']} | {_fmt(sc['images_per_s_n'])} | "
+                f"{_fmt(cores and cores['images_per_s_1'])} | {_x(cores)} | "
+                f"{_fmt(same and same['images_per_s_1'])} | {_x(same, bold=True)} | "
+                f"{'-' if same is None else format(same['efficiency'], '.0%')} |"
+            )
         lines.append("")
 
     if result["failures"]:
@@ -143,22 +168,47 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     meta, m = result["meta"], result["meta"]["machine"]
     hw = meta["hardware"]
     return {
-        "command": meta["command"], "started": meta["started"], "wall_s": round(meta["wall_s"]),
-        "env": {"hardware": f"{hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
-                            f"{', '.join(hw['gpus']) or 'no GPU'}",
-                "versions": meta["versions"], "processes": m["nproc"], "threads": m["threads_n"],
-                "threads_1_process": m["threads_1"], "comm": m["comm"], "pinned": bool(m.get("bind_cores"))},
-        "comparisons": [{"impl": c["impl"], "baseline": c["baseline"], "how": c["how"], "case": c["case_id"],
-                         "procs": c["nproc"], "rounds": len(c["per_round"]), "ms": c["median_step_s"] * 1000,
-                         "baseline_ms": c["baseline_median_step_s"] * 1000, "ratio": c["ratio"], "ci95": c["ci95"],
-                         "p10_ratio": c["ratio_p10"],
-                         "weights_equal": c["weights_equal"] if c["max_abs_weight_diff"] is not None else None}
-                        for c in result["comparisons"]],
-        "scaling": [{"impl": s["impl"], "case": s["case_id"], "procs": s["nproc"],
-                     "images_per_s": s["images_per_s_n"],
-                     **{f"speedup_{k}": s[k]["speedup"] for k in ("same_threads", "all_cores") if k in s},
-                     "ci95_same_threads": (s.get("same_threads") or {}).get("ci95")}
-                    for s in result["scaling"]],
+        "command": meta["command"],
+        "started": meta["started"],
+        "wall_s": round(meta["wall_s"]),
+        "env": {
+            "hardware": f"{hw['arch']}, {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, "
+            f"{', '.join(hw['gpus']) or 'no GPU'}",
+            "versions": meta["versions"],
+            "processes": m["nproc"],
+            "threads": m["threads_n"],
+            "threads_1_process": m["threads_1"],
+            "comm": m["comm"],
+            "pinned": bool(m.get("bind_cores")),
+        },
+        "comparisons": [
+            {
+                "impl": c["impl"],
+                "baseline": c["baseline"],
+                "how": c["how"],
+                "case": c["case_id"],
+                "procs": c["nproc"],
+                "rounds": len(c["per_round"]),
+                "ms": c["median_step_s"] * 1000,
+                "baseline_ms": c["baseline_median_step_s"] * 1000,
+                "ratio": c["ratio"],
+                "ci95": c["ci95"],
+                "p10_ratio": c["ratio_p10"],
+                "weights_equal": c["weights_equal"] if c["max_abs_weight_diff"] is not None else None,
+            }
+            for c in result["comparisons"]
+        ],
+        "scaling": [
+            {
+                "impl": s["impl"],
+                "case": s["case_id"],
+                "procs": s["nproc"],
+                "images_per_s": s["images_per_s_n"],
+                **{f"speedup_{k}": s[k]["speedup"] for k in ("same_threads", "all_cores") if k in s},
+                "ci95_same_threads": (s.get("same_threads") or {}).get("ci95"),
+            }
+            for s in result["scaling"]
+        ],
         "failures": [f"{f['job']}: {(f['error'] or '').splitlines()[0]}" for f in result["failures"]],
     }
 
@@ -174,6 +224,7 @@ def rounded(v: Any) -> Any:
 
 def compact_json(obj: dict[str, Any]) -> str:
     """One line per top-level entry, and per item of a top-level list; floats :func:`rounded`."""
+
     def value(v: Any) -> str:
         if isinstance(v, list) and v:
             return "[\n  " + ",\n  ".join(json.dumps(x) for x in v) + "\n ]"

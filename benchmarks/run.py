@@ -31,29 +31,53 @@ ROOT = Path(__file__).resolve().parents[1]
 def add_common(p: argparse.ArgumentParser, *, out_dir: Path, raw: Path, timeout: float | None) -> None:
     """The options ``benchmarks.run`` and ``benchmarks.loops`` share."""
     p.add_argument("--nproc", type=int, default=None, help="processes per distributed run (default: GPUs, else 2)")
-    p.add_argument("--no-bind", dest="bind_cores", action="store_false",
-                   help="leave the CPU processes unpinned (default: each on its own cores)")
+    p.add_argument(
+        "--no-bind",
+        dest="bind_cores",
+        action="store_false",
+        help="leave the CPU processes unpinned (default: each on its own cores)",
+    )
     p.add_argument("--timeout", type=float, default=timeout, help="seconds per launch before it is killed")
     p.add_argument("--out-dir", type=Path, default=out_dir, help="results.md, summary.json (default: %(default)s)")
     p.add_argument("--raw", type=Path, default=raw, help="every step time as JSON (default: %(default)s)")
-    p.add_argument("--work-dir", type=Path, default=None,
-                   help="logs, plans and results of every launch, kept (default: a temp dir, kept if one failed)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="logs, plans and results of every launch, kept (default: a temp dir, kept if one failed)",
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--mode", choices=sorted(plan.PRESETS), default="quick")
-    p.add_argument("--only", default=",".join(plan.PARTS),
-                   help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)})")
+    p.add_argument(
+        "--only",
+        default=",".join(plan.PARTS),
+        help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)})",
+    )
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
     p.add_argument("--image-size", type=int, default=None, help="VGG16 image size (default: the mode's)")
     p.add_argument("--repeats", type=positive_int, default=None, help="rounds of alternating launches")
-    p.add_argument("--control", nargs="?", const="all", default="", metavar="FAMILIES",
-                   help="also run each plain script (or those of the comma-separated families) a second time "
-                        "and compare it with itself: the noise floor")
-    p.add_argument("--blocks", type=positive_int, default=None,
-                   help="same-process part: alternating blocks of each implementation (default: the mode's)")
+    p.add_argument(
+        "--control",
+        nargs="?",
+        const="all",
+        default="",
+        metavar="FAMILIES",
+        help="also run each plain script (or those of the comma-separated families) a second time "
+        "and compare it with itself: the noise floor",
+    )
+    p.add_argument(
+        "--blocks",
+        type=positive_int,
+        default=None,
+        help="same-process part: alternating blocks of each implementation (default: the mode's)",
+    )
     p.add_argument("--steps", type=positive_int, default=None, help="timed LeNet steps per launch")
     add_common(p, out_dir=ROOT / "benchmarks" / "results", raw=ROOT / "runs" / "bench" / "results.json", timeout=None)
     args = p.parse_args(argv)
@@ -68,8 +92,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def preset_from(args: argparse.Namespace) -> plan.Preset:
-    fields = {"image_size": args.image_size, "repeats": args.repeats, "same_blocks": args.blocks,
-              "lenet_steps": args.steps, "timeout_s": args.timeout}
+    fields = {
+        "image_size": args.image_size,
+        "repeats": args.repeats,
+        "same_blocks": args.blocks,
+        "lenet_steps": args.steps,
+        "timeout_s": args.timeout,
+    }
     preset = replace(plan.PRESETS[args.mode], **{k: v for k, v in fields.items() if v is not None})
     if preset.image_size < 32:
         raise BenchError(f"--image-size {preset.image_size} is too small for VGG16; use at least 32")
@@ -102,11 +131,18 @@ class Session:
             else:
                 shutil.rmtree(self.work, ignore_errors=True)
         m = self.machine
-        return {"command": self.command, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started)),
-                "wall_s": round(time.time() - self.started, 1), **extra, "load_average_start": self.load_start,
-                "load_average_end": os.getloadavg(), "hardware": envreport.hardware(),
-                "versions": envreport.versions(), "machine": asdict(m),
-                "launches": [{"job": j.tag, "seconds": round(j.seconds, 1), "ok": j.error is None} for j in jobs]}
+        return {
+            "command": self.command,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started)),
+            "wall_s": round(time.time() - self.started, 1),
+            **extra,
+            "load_average_start": self.load_start,
+            "load_average_end": os.getloadavg(),
+            "hardware": envreport.hardware(),
+            "versions": envreport.versions(),
+            "machine": asdict(m),
+            "launches": [{"job": j.tag, "seconds": round(j.seconds, 1), "ok": j.error is None} for j in jobs],
+        }
 
 
 @exit_on_error
@@ -116,13 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(args, argv, "benchmarks.run", "bench")
     machine, work = session.machine, session.work
     if machine.gpus == 0 and machine.nproc > machine.cores:
-        print(f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
-              file=sys.stderr)
+        print(
+            f"[bench] warning: {machine.nproc} processes on {machine.cores} core(s) oversubscribe the CPU",
+            file=sys.stderr,
+        )
     skipped = {part: why for part in args.parts if part in plan.FAMILIES and (why := launch.unavailable(part))}
     parts = session.drop_skipped(args.parts, skipped)
-    print(f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
-          f"(1-process runs: {machine.threads_1}), {machine.comm}, "
-          f"{'pinned to cores' if machine.bind_cores else 'not pinned'}; work dir {work}", flush=True)
+    print(
+        f"[bench] mode {args.mode}: {machine.nproc} processes x {machine.threads_n} thread(s) "
+        f"(1-process runs: {machine.threads_1}), {machine.comm}, "
+        f"{'pinned to cores' if machine.bind_cores else 'not pinned'}; work dir {work}",
+        flush=True,
+    )
     # The same-process part needs each backend's package and launcher, whether or not its own part runs.
     same = tuple(f for f in plan.FAMILIES if launch.unavailable(f) is None) if "same-process" in parts else ()
     jobs = plan.schedule(preset, parts, args.model_list, machine, control=args.control, same_process=same)
@@ -135,17 +176,34 @@ def main(argv: list[str] | None = None) -> int:
         for path in (work / "out").glob("*/*.weights.pt"):  # compared; large (VGG16: 0.5 GB per run)
             path.unlink()
     failures = [{"job": j.tag, "error": j.error} for j in jobs if j.error]
-    meta = session.finish(jobs, failures, mode=args.mode, preset=asdict(preset), parts=parts, control=args.control,
-                          models=args.model_list, skipped=skipped, weight_tolerance=stats.WEIGHT_ATOL,
-                          ratio_target=stats.RATIO_TARGET)
-    result = {"meta": meta, "runs": rows, "comparisons": comparisons, "scaling": stats.scaling(rows),
-              "failures": failures}
+    meta = session.finish(
+        jobs,
+        failures,
+        mode=args.mode,
+        preset=asdict(preset),
+        parts=parts,
+        control=args.control,
+        models=args.model_list,
+        skipped=skipped,
+        weight_tolerance=stats.WEIGHT_ATOL,
+        ratio_target=stats.RATIO_TARGET,
+    )
+    result = {
+        "meta": meta,
+        "runs": rows,
+        "comparisons": comparisons,
+        "scaling": stats.scaling(rows),
+        "failures": failures,
+    }
     report.write(result, args.out_dir, args.raw, report.markdown(result), report.summary(result))
     print(f"[bench] done in {meta['wall_s']:.0f}s: {args.out_dir}/results.md, summary.json, {args.raw}", flush=True)
     bad = [c for c in comparisons if c["max_abs_weight_diff"] is not None and not c["weights_passed"]]
     for c in bad:
-        print(f"[bench] WEIGHTS DIFFER: {c['impl']} vs {c['baseline']} ({c['how']}) on {c['case_id']} "
-              f"(n={c['nproc']}): max |diff| {c['max_abs_weight_diff']:.3g} > {stats.WEIGHT_ATOL}", file=sys.stderr)
+        print(
+            f"[bench] WEIGHTS DIFFER: {c['impl']} vs {c['baseline']} ({c['how']}) on {c['case_id']} "
+            f"(n={c['nproc']}): max |diff| {c['max_abs_weight_diff']:.3g} > {stats.WEIGHT_ATOL}",
+            file=sys.stderr,
+        )
     return 1 if failures or bad else 0
 
 

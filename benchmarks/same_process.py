@@ -48,9 +48,10 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
             for impl in ("plain", "parallelx") if b % 2 == 0 else ("parallelx", "plain"):
                 # The warm-up of each block lets caches and allocator settle after the other model ran.
                 times: list[float] = []
-                for x, y in workload.timed_steps(case, batches, backend.device, times,
-                                                 first=len(blocks[impl]) * (case.warmup + case.steps)):
-                    with (contextlib.nullcontext() if dtype is None else torch.autocast(backend.device.type, dtype)):
+                for x, y in workload.timed_steps(
+                    case, batches, backend.device, times, first=len(blocks[impl]) * (case.warmup + case.steps)
+                ):
+                    with contextlib.nullcontext() if dtype is None else torch.autocast(backend.device.type, dtype):
                         loss = steps[impl][0](x, y)
                 blocks[impl].append(times)
         plain_w = backend.unwrap(steps["plain"][1]).state_dict()
@@ -58,10 +59,18 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
         start_w = workload.build_model(case).state_dict()  # the seeded initial weights of both
         Path(plan.out).mkdir(parents=True, exist_ok=True)
         # max_abs_update: the training moved the weights (equal weights that never moved would prove nothing).
-        report = {"impl": plan.impl, "case_id": case.id, "rank": backend.rank, "world_size": backend.world_size,
-                  "threads": torch.get_num_threads(), "device": str(backend.device), "blocks": blocks,
-                  "max_abs_weight_diff": max_diff(plain_w, px_w), "max_abs_update": max_diff(px_w, start_w),
-                  "final_loss": float(loss.detach().float().cpu())}
+        report = {
+            "impl": plan.impl,
+            "case_id": case.id,
+            "rank": backend.rank,
+            "world_size": backend.world_size,
+            "threads": torch.get_num_threads(),
+            "device": str(backend.device),
+            "blocks": blocks,
+            "max_abs_weight_diff": max_diff(plain_w, px_w),
+            "max_abs_update": max_diff(px_w, start_w),
+            "final_loss": float(loss.detach().float().cpu()),
+        }
         workload.result_path(plan.out, plan.impl, case, backend.rank).write_text(json.dumps(report))
         del steps, batches, plain_w, px_w
         workload.release(backend.device)
@@ -71,10 +80,15 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", required=True, choices=sorted(plain.FRAMEWORKS))
-    parser.add_argument("--blocks", type=parallelx.cli.positive_int, default=10,
-                        help="blocks of each implementation, alternating")
-    parser.add_argument("--precision", choices=parallelx.loop.PRECISIONS, default="32",
-                        help="autocast both implementations' steps to this precision")
+    parser.add_argument(
+        "--blocks", type=parallelx.cli.positive_int, default=10, help="blocks of each implementation, alternating"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=parallelx.loop.PRECISIONS,
+        default="32",
+        help="autocast both implementations' steps to this precision",
+    )
     args, plan = workload.worker_args(parser)
     with px_worker.make_backend(args.backend, plan) as backend:  # shut down even when a case raises
         measure(args.backend, args.blocks, plan, backend, args.precision)

@@ -69,12 +69,26 @@ def collect(jobs: list[Job], work: Path) -> list[Row]:
             reports = rank_reports(job, work, case)
             if len(reports) != job.nproc:
                 continue
-            row = rows.setdefault((job.impl, job.nproc, case.id), {
-                "impl": job.impl, "family": IMPLS[job.impl].family, "nproc": job.nproc,
-                "threads": reports[0]["threads"], "case_id": case.id, "model": case.model, "batch": case.batch,
-                "base_id": f"{case.model}-{case.image_size}px-b{case.batch}", "image_size": case.image_size,
-                "device": reports[0]["device"], "cores": [rep.get("cores") for rep in reports],
-                "rounds": [], "round_step_times_s": [], "peak_rss_mib": 0.0, "peak_gpu_mib": None})
+            row = rows.setdefault(
+                (job.impl, job.nproc, case.id),
+                {
+                    "impl": job.impl,
+                    "family": IMPLS[job.impl].family,
+                    "nproc": job.nproc,
+                    "threads": reports[0]["threads"],
+                    "case_id": case.id,
+                    "model": case.model,
+                    "batch": case.batch,
+                    "base_id": f"{case.model}-{case.image_size}px-b{case.batch}",
+                    "image_size": case.image_size,
+                    "device": reports[0]["device"],
+                    "cores": [rep.get("cores") for rep in reports],
+                    "rounds": [],
+                    "round_step_times_s": [],
+                    "peak_rss_mib": 0.0,
+                    "peak_gpu_mib": None,
+                },
+            )
             row["rounds"].append(job.repeat)
             row["round_step_times_s"].append(lockstep(rep["step_times_s"] for rep in reports))
             row["peak_rss_mib"] = max(row["peak_rss_mib"], *(rep["peak_rss_mib"] for rep in reports))
@@ -93,8 +107,9 @@ def collect(jobs: list[Job], work: Path) -> list[Row]:
     return out
 
 
-def round_interval(a: Row, b: Row, stat: Callable[[float, float], float], *, resamples: int = 2000,
-                   seed: int = 0) -> list[float] | None:
+def round_interval(
+    a: Row, b: Row, stat: Callable[[float, float], float], *, resamples: int = 2000, seed: int = 0
+) -> list[float] | None:
     """95 % bootstrap interval of ``stat(median step of a, median step of b)``
     over the rounds: the rounds both rows ran in are drawn with replacement,
     each taking its step times of ``a`` and of ``b`` together, because the
@@ -108,8 +123,11 @@ def round_interval(a: Row, b: Row, stat: Callable[[float, float], float], *, res
     values = []
     for _ in range(resamples):
         pick = rng.choices(common, k=len(common))
-        values.append(stat(statistics.median([t for r in pick for t in ta[r]]),
-                           statistics.median([t for r in pick for t in tb[r]])))
+        values.append(
+            stat(
+                statistics.median([t for r in pick for t in ta[r]]), statistics.median([t for r in pick for t in tb[r]])
+            )
+        )
     values.sort()
     return [values[int(0.025 * (resamples - 1))], values[int(0.975 * (resamples - 1))]]
 
@@ -119,17 +137,31 @@ def compare(a: Row, b: Row, *, impl: str, baseline: str, how: str, case_id: str,
     percentiles (which a noisy machine disturbs less: interference only ever
     adds time), each round's own ratio and the 95 % interval."""
     tb = dict(zip(b["rounds"], b["round_step_times_s"]))
-    per_round = [statistics.median(t) / statistics.median(tb[r])
-                 for r, t in zip(a["rounds"], a["round_step_times_s"]) if r in tb]
-    return {"impl": impl, "baseline": baseline, "how": how, "case_id": case_id, "nproc": nproc,
-            "median_step_s": a["median_step_s"], "baseline_median_step_s": b["median_step_s"],
-            "ratio": a["median_step_s"] / b["median_step_s"], "ratio_p10": a["p10_step_s"] / b["p10_step_s"],
-            "per_round": per_round, "ci95": round_interval(a, b, lambda x, y: x / y), **weights(None)}
+    per_round = [
+        statistics.median(t) / statistics.median(tb[r]) for r, t in zip(a["rounds"], a["round_step_times_s"]) if r in tb
+    ]
+    return {
+        "impl": impl,
+        "baseline": baseline,
+        "how": how,
+        "case_id": case_id,
+        "nproc": nproc,
+        "median_step_s": a["median_step_s"],
+        "baseline_median_step_s": b["median_step_s"],
+        "ratio": a["median_step_s"] / b["median_step_s"],
+        "ratio_p10": a["p10_step_s"] / b["p10_step_s"],
+        "per_round": per_round,
+        "ci95": round_interval(a, b, lambda x, y: x / y),
+        **weights(None),
+    }
 
 
 def weights(diff: float | None, finite: bool = True) -> Row:
-    return {"max_abs_weight_diff": diff, "weights_equal": diff == 0.0,
-            "weights_passed": diff is not None and finite and diff <= WEIGHT_ATOL}
+    return {
+        "max_abs_weight_diff": diff,
+        "weights_equal": diff == 0.0,
+        "weights_passed": diff is not None and finite and diff <= WEIGHT_ATOL,
+    }
 
 
 def overheads(rows: list[Row], jobs: Sequence[Job] = (), work: Path | None = None) -> list[Row]:
@@ -140,8 +172,10 @@ def overheads(rows: list[Row], jobs: Sequence[Job] = (), work: Path | None = Non
     out = []
     for a, b in PAIRS:
         for row in rows:
-            ref = next((r for r in rows if r["impl"] == b and r["nproc"] == row["nproc"]
-                        and r["case_id"] == row["case_id"]), None)
+            ref = next(
+                (r for r in rows if r["impl"] == b and r["nproc"] == row["nproc"] and r["case_id"] == row["case_id"]),
+                None,
+            )
             if row["impl"] != a or ref is None:
                 continue
             entry = compare(row, ref, impl=a, baseline=b, how="launches", case_id=row["case_id"], nproc=row["nproc"])
@@ -177,8 +211,15 @@ def same_process(reports: list[dict[str, Any]]) -> Row:
         blocks = [lockstep(per_rank) for per_rank in zip(*(rep["blocks"][name] for rep in reports))]
         rows[name] = timing(list(range(len(blocks))), blocks)
     family = reports[0]["impl"].removeprefix("same-")
-    entry = compare(rows["parallelx"], rows["plain"], impl=f"px-{family}", baseline=f"raw-{family}",
-                    how="same process", case_id=reports[0]["case_id"], nproc=len(reports))
+    entry = compare(
+        rows["parallelx"],
+        rows["plain"],
+        impl=f"px-{family}",
+        baseline=f"raw-{family}",
+        how="same process",
+        case_id=reports[0]["case_id"],
+        nproc=len(reports),
+    )
     entry["steps_per_round"] = len(rows["plain"]["round_step_times_s"][0])
     return {**entry, **weights(max(rep["max_abs_weight_diff"] for rep in reports))}
 
@@ -187,8 +228,7 @@ def same_process_jobs(jobs: list[Job], work: Path) -> list[Row]:
     out = []
     for job in jobs:
         if IMPLS[job.impl].paired and not job.error:
-            out += [same_process(reps) for case in job.cases
-                    if len(reps := rank_reports(job, work, case)) == job.nproc]
+            out += [same_process(reps) for case in job.cases if len(reps := rank_reports(job, work, case)) == job.nproc]
     return out
 
 
@@ -202,16 +242,30 @@ def scaling(rows: list[Row]) -> list[Row]:
         if row["nproc"] == 1:
             continue
         ones = [r for r in rows if r["impl"] == row["impl"] and r["nproc"] == 1 and r["base_id"] == row["base_id"]]
-        entry = {"impl": row["impl"], "case_id": row["base_id"], "model": row["model"], "batch": row["batch"],
-                 "nproc": row["nproc"], "threads_n": row["threads"], "images_per_s_n": row["images_per_s"]}
-        for key, one in (("all_cores", next((r for r in ones if r["case_id"] == r["base_id"]), None)),
-                         ("same_threads", next((r for r in ones if r["threads"] == row["threads"]), None))):
+        entry = {
+            "impl": row["impl"],
+            "case_id": row["base_id"],
+            "model": row["model"],
+            "batch": row["batch"],
+            "nproc": row["nproc"],
+            "threads_n": row["threads"],
+            "images_per_s_n": row["images_per_s"],
+        }
+        for key, one in (
+            ("all_cores", next((r for r in ones if r["case_id"] == r["base_id"]), None)),
+            ("same_threads", next((r for r in ones if r["threads"] == row["threads"]), None)),
+        ):
             if one is not None:
                 speedup = row["images_per_s"] / one["images_per_s"]
                 # speedup = (n * batch / step_n) / (batch / step_1)
                 ci = round_interval(row, one, lambda step_n, step_1, n=row["nproc"]: n * step_1 / step_n)
-                entry[key] = {"threads_1": one["threads"], "images_per_s_1": one["images_per_s"],
-                              "speedup": speedup, "efficiency": speedup / row["nproc"], "ci95": ci}
+                entry[key] = {
+                    "threads_1": one["threads"],
+                    "images_per_s_1": one["images_per_s"],
+                    "speedup": speedup,
+                    "efficiency": speedup / row["nproc"],
+                    "ci95": ci,
+                }
         if "all_cores" in entry or "same_threads" in entry:
             out.append(entry)
     return out

@@ -27,8 +27,10 @@ from parallelx.errors import ParallelxError
 
 #: Classes and training-set sizes of the datasets the synthetic batches stand
 #: in for (CIFAR-10: 50,000; Dogs-vs-Cats: the 80 % split of 25,000 that recipes/dogcat.py trains on).
-MODELS: dict[str, dict[str, int]] = {"lenet": {"classes": 10, "train_images": 50_000},
-                                     "vgg16": {"classes": 2, "train_images": 20_000}}
+MODELS: dict[str, dict[str, int]] = {
+    "lenet": {"classes": 10, "train_images": 50_000},
+    "vgg16": {"classes": 2, "train_images": 20_000},
+}
 #: One training step on a batch, returning the loss: what every worker's
 #: ``prepare`` builds, so that ``same_process`` can run two side by side.
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,7 +113,7 @@ def apply_threads(plan: Plan, case: Case | None = None, *, local_rank: int = 0) 
     torch.set_num_threads(threads)
     if not plan.bind_cores or _STARTED_ON is None:
         return None
-    block = _STARTED_ON[local_rank * threads:(local_rank + 1) * threads]
+    block = _STARTED_ON[local_rank * threads : (local_rank + 1) * threads]
     if len(block) < threads:
         return None  # fewer cores than processes x threads: nothing sensible to pin
     os.sched_setaffinity(0, block)
@@ -156,8 +158,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(case: Case, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                times: list[float], first: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def timed_steps(
+    case: Case,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    times: list[float],
+    first: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``warmup + steps`` batches from index ``first`` on; each timed loop body's time goes to ``times``."""
     for i in range(case.warmup + case.steps):
         start = time.perf_counter()
@@ -191,25 +198,44 @@ def weights_path(out: str | os.PathLike[str], impl: str, case: Case) -> Path:
 def check_world_size(plan: Plan, world_size: int) -> None:
     """Before measuring: a launcher that started the wrong number of processes is an error."""
     if world_size != plan.nproc:
-        raise BenchError(f"{plan.impl}: the launcher started {world_size} processes, the plan expects {plan.nproc}; "
-                         "check the launcher's process-count flag")
+        raise BenchError(
+            f"{plan.impl}: the launcher started {world_size} processes, the plan expects {plan.nproc}; "
+            "check the launcher's process-count flag"
+        )
 
 
-def rank_report(plan: Plan, case: Case, rank: int, world_size: int, device: torch.device,
-                loss: torch.Tensor | None, **extra: Any) -> dict[str, Any]:
+def rank_report(
+    plan: Plan, case: Case, rank: int, world_size: int, device: torch.device, loss: torch.Tensor | None, **extra: Any
+) -> dict[str, Any]:
     """The figures every worker's result file holds, plus the worker's own."""
-    return {"impl": plan.impl, "case": asdict(case), "case_id": case.id, "rank": rank, "world_size": world_size,
-            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cores": sorted(os.sched_getaffinity(0)) if HAS_AFFINITY else None, "device": str(device),
-            # Peak resident memory so far (Linux reports KiB).
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "final_loss": None if loss is None else float(loss.detach().float().cpu()), **extra}
+    return {
+        "impl": plan.impl,
+        "case": asdict(case),
+        "case_id": case.id,
+        "rank": rank,
+        "world_size": world_size,
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cores": sorted(os.sched_getaffinity(0)) if HAS_AFFINITY else None,
+        "device": str(device),
+        # Peak resident memory so far (Linux reports KiB).
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "final_loss": None if loss is None else float(loss.detach().float().cpu()),
+        **extra,
+    }
 
 
-def run_plan(plan: Plan, prepare: Callable[[Case], tuple[Step, nn.Module]], *, rank: int, local_rank: int,
-             world_size: int, device: torch.device,
-             state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> None:
+def run_plan(
+    plan: Plan,
+    prepare: Callable[[Case], tuple[Step, nn.Module]],
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    device: torch.device,
+    state_dict: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Measure every case of ``plan``: ``prepare(case)`` builds the worker's own step and model, the rest is
     the same for every worker.  Every rank calls ``state_dict(model)`` (on sharding backends a collective)."""
     check_world_size(plan, world_size)

@@ -37,6 +37,7 @@ __all__ = [
     "ReduceOp",
     "ShardedSampler",
     "UnknownBackendError",
+    "__version__",
     "add_arguments",
     "available_backends",
     "backend_class",
@@ -51,5 +52,4 @@ __all__ = [
     "save_training_state",
     "seed_everything",
     "warn",
-    "__version__",
 ]

@@ -1,11 +1,11 @@
 """Command line of parallelx itself.
 
-    python -m parallelx env                         # what is installed here, which backends can run
-    python -m parallelx launchers                   # the table of backends and their launch lines
-    python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar10
-                                                    # start N local processes with the backend's own launcher
-    python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
-                                                    # a sharded checkpoint as one portable file
+python -m parallelx env                         # what is installed here, which backends can run
+python -m parallelx launchers                   # the table of backends and their launch lines
+python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar10
+                                                # start N local processes with the backend's own launcher
+python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
+                                                # a sharded checkpoint as one portable file
 """
 
 from __future__ import annotations
@@ -29,22 +29,28 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="print torch/CUDA versions and which backends are usable here")
     table = sub.add_parser("launchers", help="print the Markdown table of backends and their launch lines")
     table.add_argument("--module", default="recipes.dogcat", help="the module the launch lines run")
-    run = sub.add_parser("launch", help="start a script on this machine with a backend's own launcher",
-                         description="Builds the launcher's command line (loopback interface, a free port) and "
-                                     "runs it; --backend NAME is added to the script's arguments.")
+    run = sub.add_parser(
+        "launch",
+        help="start a script on this machine with a backend's own launcher",
+        description="Builds the launcher's command line (loopback interface, a free port) and "
+        "runs it; --backend NAME is added to the script's arguments.",
+    )
     run.add_argument("backend", help="single, dp, ddp, horovod, deepspeed")
     run.add_argument("-n", "--nproc", type=int, default=2, help="processes to start (default 2)")
     run.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    conv = sub.add_parser("convert-checkpoint", help="write a sharded training-state checkpoint as one portable file",
-                          description="SRC: a checkpoint directory (step-*) or a run directory (its newest "
-                                      "checkpoint); DST: the file, state.pt's layout with the whole model and "
-                                      "optimizer, for torch.load(DST, weights_only=True).  One process, no launcher.")
+    conv = sub.add_parser(
+        "convert-checkpoint",
+        help="write a sharded training-state checkpoint as one portable file",
+        description="SRC: a checkpoint directory (step-*) or a run directory (its newest "
+        "checkpoint); DST: the file, state.pt's layout with the whole model and "
+        "optimizer, for torch.load(DST, weights_only=True).  One process, no launcher.",
+    )
     conv.add_argument("src")
     conv.add_argument("dst")
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
-    target = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    target = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.command == "launchers":
         print(markdown_table(args.module), end="")
         return 0

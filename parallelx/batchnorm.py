@@ -28,8 +28,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     # The sums are taken in float64: the variance as E[x^2] - E[x]^2 cancels
     # badly in float32 when the mean is large beside the spread.
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                eps: float, reduce: Reduce) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, reduce: Reduce
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         channels, dims = x.shape[1], [0, *range(2, x.dim())]
         shape = [1, channels] + [1] * (x.dim() - 2)
         x64 = x.detach().double()
@@ -61,8 +62,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sums = ctx.reduce(local)
             sum_dy, sum_dy_xmu = sums[:channels] / total, sums[channels:] / total
             scale = invstd if weight is None else invstd * weight.detach().double()
-            grad_x = ((g64 - sum_dy.view(shape) - xmu * (invstd * invstd * sum_dy_xmu).view(shape))
-                      * scale.view(shape)).to(x.dtype)
+            grad_x = (
+                (g64 - sum_dy.view(shape) - xmu * (invstd * invstd * sum_dy_xmu).view(shape)) * scale.view(shape)
+            ).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = (local[channels:] * invstd).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -76,8 +78,17 @@ class SyncBatchNorm(_BatchNorm):
     running statistics like any BatchNorm.  Its ``state_dict`` is that of the
     layer it replaced.  Every rank must run each training forward and backward."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, *, reduce: Reduce, **factory: Any) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        *,
+        reduce: Reduce,
+        **factory: Any,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, **factory)
         self.reduce = reduce
 
@@ -107,8 +118,7 @@ def convert_batchnorm(module: nn.Module, cls: type[_BatchNorm], **extra: Any) ->
     optimizer built on them still holds them), buffers and mode.  Returns
     ``module`` itself unless it is a BatchNorm layer."""
     if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                  **extra)
+        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, **extra)
         if module.affine:
             new.weight, new.bias = module.weight, module.bias
         if module.track_running_stats:

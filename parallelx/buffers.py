@@ -42,7 +42,8 @@ GLOBAL_STATS_MARK = "_parallelx_global_statistics"
 PER_PROCESS_WARNING = (
     "BatchNorm layers normalise with each process's own batch statistics in training; after every optimizer step "
     "every rank takes rank 0's running statistics (what rank 0 saves), so evaluation and checkpoints agree; "
-    "model = backend.sync_batchnorm(model) before wrap_model normalises with the global batch's")
+    "model = backend.sync_batchnorm(model) before wrap_model normalises with the global batch's"
+)
 
 Broadcast = Callable[[torch.Tensor], torch.Tensor]
 
@@ -56,8 +57,12 @@ def mark_global_statistics(model: nn.Module) -> None:
 
 def per_process_batchnorm(model: nn.Module) -> bool:
     """True when a BatchNorm layer of ``model`` normalises with its process's own batch."""
-    return any(isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm))
-               and not getattr(m, GLOBAL_STATS_MARK, False) for m in model.modules())
+    return any(
+        isinstance(m, _BatchNorm)
+        and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm))
+        and not getattr(m, GLOBAL_STATS_MARK, False)
+        for m in model.modules()
+    )
 
 
 def warn_if_per_process(model: nn.Module, world_size: int) -> None:
@@ -84,7 +89,7 @@ def sync_buffers(modules: Iterable[nn.Module], broadcast: Broadcast) -> None:
         with torch.no_grad():
             for b in bufs:
                 n = b.numel() * b.element_size()
-                b.copy_(raw[offset:offset + n].view(b.dtype).view_as(b))
+                b.copy_(raw[offset : offset + n].view(b.dtype).view_as(b))
                 offset += n
 
 
@@ -104,9 +109,13 @@ class BufferSync:
     def attach(self, params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         """Hook ``optimizer`` (built on ``params``) to sync the buffers of the tracked models it trains."""
         wanted = {id(p) for p in params}
-        owners = [ref for ref in self._models
-                  if (m := ref()) is not None and any(id(p) in wanted for p in m.parameters())
-                  and any(True for _ in m.buffers())]
+        owners = [
+            ref
+            for ref in self._models
+            if (m := ref()) is not None
+            and any(id(p) in wanted for p in m.parameters())
+            and any(True for _ in m.buffers())
+        ]
         if not owners:
             return
         depth = [0]

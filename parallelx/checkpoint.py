@@ -27,7 +27,8 @@ from .state import to_cpu
 def is_optimizer(obj: Any) -> bool:
     """A torch optimizer, or anything shaped like one (a backend's wrapper)."""
     return isinstance(obj, torch.optim.Optimizer) or (
-        callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups"))
+        callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups")
+    )
 
 
 def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state: Callable[[Any], Any]) -> Any:
@@ -70,12 +71,15 @@ def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=weights_only)
     except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
-        raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+        raise ParallelxError(
+            f"checkpoint {p} cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+        ) from None
 
 
-def save_on_main(state: Any, path: str | os.PathLike[str], *, is_main: bool,
-                 broadcast: Callable[[str | None], str | None]) -> None:
+def save_on_main(
+    state: Any, path: str | os.PathLike[str], *, is_main: bool, broadcast: Callable[[str | None], str | None]
+) -> None:
     """Rank 0 writes ``state`` atomically; every rank returns once the file
     exists, or raises the same error (``broadcast`` sends rank 0's word to
     every rank and doubles as the barrier)."""
@@ -129,8 +133,9 @@ class StateHooks:
         (:mod:`parallelx.sharded`); None: whole tensors in ``state.pt``."""
         return None
 
-    def load_sharded_state(self, model: nn.Module, optimizer: Any, directory: Path,
-                           param_groups: list[dict[str, Any]]) -> bool:
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
+    ) -> bool:
         """Read this rank's own slices of a sharded checkpoint's ``directory``
         straight into ``model`` and ``optimizer`` (a collective); False: the
         backend does not shard, and the caller loads the whole tensors."""

@@ -80,24 +80,53 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
     ``parser``; returns the parser."""
     names = available_backends()
     group = parser.add_argument_group("parallelx")
-    group.add_argument("--backend", default=default, choices=names,
-                       help="distributed backend; auto follows the launcher (default: %(default)s)")
-    group.add_argument("--device", default="auto", choices=DEVICES,
-                       help="auto: this process's GPU if there is one, else the CPU; cpu forces the CPU "
-                            "(default: %(default)s)")
-    group.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
-                       help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)"
-                            + NONE_IN_WORDS)
+    group.add_argument(
+        "--backend",
+        default=default,
+        choices=names,
+        help="distributed backend; auto follows the launcher (default: %(default)s)",
+    )
+    group.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="auto: this process's GPU if there is one, else the CPU; cpu forces the CPU (default: %(default)s)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)" + NONE_IN_WORDS,
+    )
     loop = parser.add_argument_group("training loop (the same update on every backend)")
-    loop.add_argument("--accumulate", type=positive_int, default=None, metavar="N",
-                      help="micro-batches per optimizer step: gradient accumulation (default: 1)" + NONE_IN_WORDS)
-    loop.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="X",
-                      help="clip the averaged gradients to this global 2-norm (default: no clipping)" + NONE_IN_WORDS)
-    loop.add_argument("--precision", choices=PRECISIONS, default=None,
-                      help="32, bf16-mixed (autocast; CPU and GPU) or 16-mixed (autocast + loss scaling; GPUs) "
-                           "(default: 32)" + NONE_IN_WORDS)
-    loop.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
-                      help="gradient data type on the wire (default: none)" + NONE_IN_WORDS)
+    loop.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="micro-batches per optimizer step: gradient accumulation (default: 1)" + NONE_IN_WORDS,
+    )
+    loop.add_argument(
+        "--clip-grad-norm",
+        type=positive_float,
+        default=None,
+        metavar="X",
+        help="clip the averaged gradients to this global 2-norm (default: no clipping)" + NONE_IN_WORDS,
+    )
+    loop.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="32, bf16-mixed (autocast; CPU and GPU) or 16-mixed (autocast + loss scaling; GPUs) "
+        "(default: 32)" + NONE_IN_WORDS,
+    )
+    loop.add_argument(
+        "--grad-compression",
+        choices=COMPRESSIONS,
+        default=None,
+        help="gradient data type on the wire (default: none)" + NONE_IN_WORDS,
+    )
     for name in names:
         if name == "auto":
             continue

@@ -25,7 +25,9 @@ from .runner import unavailable
 
 def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return False, f"import timed out after {timeout:.0f}s"
     if proc.returncode != 0:
@@ -74,14 +76,21 @@ def hardware() -> dict[str, Any]:
     """The machine a measurement ran on: CPU model, the cores this process may
     use (its affinity, not the machine's count), memory, the GPUs' names."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
-               platform.processor() or platform.machine())
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
     pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"arch": platform.machine(), "cpu": cpu, "os": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * pages / 2**30, 1) if pages else None,
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else []}
+    return {
+        "arch": platform.machine(),
+        "cpu": cpu,
+        "os": platform.platform(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * pages / 2**30, 1) if pages else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
+    }
 
 
 def cluster_lines() -> list[str]:
@@ -96,8 +105,11 @@ def cluster_lines() -> list[str]:
         return [*lines, f"  no world: {exc}"]
     where = f", rendezvous {w.master_addr}:{w.master_port}" if w.master_addr else ""
     owner = f"; the process group is {env.name}'s (adopted, left to it)" if env.owns_process_group else ""
-    return [*lines, f"  this process: rank {w.rank} of {w.world_size}, local rank {w.local_rank} of "
-                    f"{w.local_world_size}{where}{owner}"]
+    return [
+        *lines,
+        f"  this process: rank {w.rank} of {w.world_size}, local rank {w.local_rank} of "
+        f"{w.local_world_size}{where}{owner}",
+    ]
 
 
 def main() -> int:
@@ -111,8 +123,10 @@ def main() -> int:
         print("torchvision not installed")
     cuda = torch.cuda.is_available()
     print(f"cuda        {'available, ' + str(torch.cuda.device_count()) + ' device(s)' if cuda else 'not available'}")
-    print(f"nccl        {'yes' if cuda and torch.distributed.is_nccl_available() else 'no'}; "
-          f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}")
+    print(
+        f"nccl        {'yes' if cuda and torch.distributed.is_nccl_available() else 'no'}; "
+        f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}"
+    )
     print()
     for line in cluster_lines():
         print(line)

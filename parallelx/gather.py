@@ -25,8 +25,9 @@ def gather_rows(backend: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, list[
     shapes = all_gather_object(backend, (tuple(local.shape), str(local.dtype)))
     if any(s[1:] != shapes[0][0][1:] or d != shapes[0][1] for s, d in shapes):
         seen = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(shapes))
-        raise ParallelxError(f"all_gather needs the same dtype and the same sizes after dim 0 on every rank, "
-                             f"got {seen}")
+        raise ParallelxError(
+            f"all_gather needs the same dtype and the same sizes after dim 0 on every rank, got {seen}"
+        )
     wire = local.to(backend._comm_device(local)).contiguous()
     if wire.dtype == torch.bool:  # Gloo and Horovod move bytes, not bools
         wire = wire.to(torch.uint8)
@@ -45,17 +46,23 @@ def gather_in_order(backend: Any, tensor: torch.Tensor, sampler: ShardedSampler)
     """The per-sample rows of one whole pass of ``sampler`` from every rank, in
     dataset order (row ``i`` is sample ``i``), the padding duplicates left out."""
     if not isinstance(sampler, ShardedSampler):
-        raise ParallelxError(f"gather_in_order needs the parallelx ShardedSampler the loader drew from "
-                             f"(backend.make_sampler(dataset)), got {type(sampler).__name__}; with another "
-                             "sampler use backend.all_gather and order the rows yourself")
+        raise ParallelxError(
+            f"gather_in_order needs the parallelx ShardedSampler the loader drew from "
+            f"(backend.make_sampler(dataset)), got {type(sampler).__name__}; with another "
+            "sampler use backend.all_gather and order the rows yourself"
+        )
     if (sampler.num_replicas, sampler.rank) != (backend.world_size, backend.rank):
-        raise ParallelxError(f"gather_in_order: the sampler shards for rank {sampler.rank} of "
-                             f"{sampler.num_replicas}, but this is rank {backend.rank} of {backend.world_size}; "
-                             "build it with backend.make_sampler(dataset)")
+        raise ParallelxError(
+            f"gather_in_order: the sampler shards for rank {sampler.rank} of "
+            f"{sampler.num_replicas}, but this is rank {backend.rank} of {backend.world_size}; "
+            "build it with backend.make_sampler(dataset)"
+        )
     index = sampler.dataset_index()
     gathered, counts = gather_rows(backend, tensor)
     if any(n != len(sampler) for n in counts):  # every rank sees the same counts: all raise
-        raise ParallelxError(f"gather_in_order: each rank's shard has {len(sampler)} samples per pass, but the "
-                             f"ranks gave {counts} rows; give one row per sample of a whole pass (a loader "
-                             "with drop_last=True, or a pass cut short, leaves samples out)")
+        raise ParallelxError(
+            f"gather_in_order: each rank's shard has {len(sampler)} samples per pass, but the "
+            f"ranks gave {counts} rows; give one row per sample of a whole pass (a loader "
+            "with drop_last=True, or a pass cut short, leaves samples out)"
+        )
     return gathered.index_select(0, index.to(gathered.device))

@@ -65,7 +65,8 @@ class Launcher:
         ``target`` is ``-m module``, a file path, or None for this script."""
         kind, value = _split_target(target if target is not None else this_script())
         text = (self.module if kind == "module" else self.file).format(
-            n=n, opts="", python="python", module=value, file=value, port="")
+            n=n, opts="", python="python", module=value, file=value, port=""
+        )
         return " ".join(text.split())
 
     def example(self, module: str, n: str | int = "N") -> str:
@@ -73,8 +74,7 @@ class Launcher:
         target = f"-m {module}" if self.shown == "module" else module.replace(".", "/") + ".py"
         return self.usage(target, n)
 
-    def command(self, target: Sequence[str], n: int = 2, *, port: int | None = None,
-                local: bool = True) -> list[str]:
+    def command(self, target: Sequence[str], n: int = 2, *, port: int | None = None, local: bool = True) -> list[str]:
         """argv that starts ``n`` processes of ``target`` (``["-m", "pkg.mod", *args]``
         or ``["path.py", *args]``).  ``local`` adds the loopback flags."""
         if not target:

@@ -23,8 +23,10 @@ class LocalBackend(Backend):
 
     def _check_options(self, options: LoopOptions) -> None:
         if options.grad_compression != "none":
-            warn(f"{self.name}: --grad-compression {options.grad_compression} has no effect: one process sends "
-                 "no gradients anywhere")
+            warn(
+                f"{self.name}: --grad-compression {options.grad_compression} has no effect: one process sends "
+                "no gradients anywhere"
+            )
 
     def barrier(self) -> None:
         self._require_init()

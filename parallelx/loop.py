@@ -68,8 +68,9 @@ class LoopOptions:
             raise ParallelxError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "precision", str(self.precision))
         if self.grad_compression not in COMPRESSIONS:
-            raise ParallelxError(f"grad_compression must be one of {', '.join(COMPRESSIONS)}, "
-                                 f"got {self.grad_compression!r}")
+            raise ParallelxError(
+                f"grad_compression must be one of {', '.join(COMPRESSIONS)}, got {self.grad_compression!r}"
+            )
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -204,8 +205,10 @@ class TrainingLoop:
                     try:
                         batch = next(iterator)
                     except StopIteration:
-                        raise ParallelxError(f"the loader ended after {i} batches although its len() is "
-                                             f"{n}; other ranks may now wait for this one") from None
+                        raise ParallelxError(
+                            f"the loader ended after {i} batches although its len() is "
+                            f"{n}; other ranks may now wait for this one"
+                        ) from None
                     start = i - i % size
                     yield from self._micro_batch(batch, Window(i - start, min(size, n - start), managed=True))
                 return
@@ -214,11 +217,12 @@ class TrainingLoop:
             while True:
                 want = size if limit is None else min(size, limit - seen)
                 window = list(itertools.islice(iterator, want))
-                k = int(b.all_reduce(torch.tensor([len(window)]), op="min").item()) if b.world_size > 1 \
-                    else len(window)
+                k = int(b.all_reduce(torch.tensor([len(window)]), op="min").item()) if b.world_size > 1 else len(window)
                 if k < len(window):
-                    warn(f"{b.name}: another rank ran out of batches; this rank stops too (policy: every "
-                         "rank stops with the shortest, so no collective waits for a rank that has finished)")
+                    warn(
+                        f"{b.name}: another rank ran out of batches; this rank stops too (policy: every "
+                        "rank stops with the shortest, so no collective waits for a rank that has finished)"
+                    )
                 for j in range(k):
                     yield from self._micro_batch(window[j], Window(j, k, managed=True))
                 seen += k
@@ -243,8 +247,10 @@ class TrainingLoop:
             if shortest < 0:
                 return None
             if shortest != longest:
-                warn(f"{b.name}: the ranks' loaders give {shortest} to {longest} batches; every rank takes "
-                     f"{shortest} (the rest of the longer shards is left out of this pass)")
+                warn(
+                    f"{b.name}: the ranks' loaders give {shortest} to {longest} batches; every rank takes "
+                    f"{shortest} (the rest of the longer shards is left out of this pass)"
+                )
             n = shortest
         return None if n < 0 else n
 
@@ -258,8 +264,10 @@ class TrainingLoop:
     def backward(self, loss: torch.Tensor, model: Any = None) -> None:
         b, window = self.backend, self.window
         if b.options.accumulate > 1 and not window.managed:
-            raise ParallelxError(f"{b.name}: accumulate={b.options.accumulate} needs the loop to run over "
-                                 "backend.batches(loader), which marks the accumulation windows")
+            raise ParallelxError(
+                f"{b.name}: accumulate={b.options.accumulate} needs the loop to run over "
+                "backend.batches(loader), which marks the accumulation windows"
+            )
         if window.size > 1:
             loss = loss / window.size
         loss = b.precision.scale(loss)

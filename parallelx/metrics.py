@@ -87,8 +87,10 @@ class MetricSums:
         if sampler.passes != self._pass:  # a new pass over the sampler began
             self._pass, self._position = sampler.passes, 0
         if self._position + n > len(sampler):
-            raise ParallelxError(f"MetricSums: {self._position + n} samples given in one pass, but this rank's "
-                                 f"shard has {len(sampler)}; is the loader built on this sampler?")
+            raise ParallelxError(
+                f"MetricSums: {self._position + n} samples given in one pass, but this rank's "
+                f"shard has {len(sampler)}; is the loader built on this sampler?"
+            )
         mask = sampler.real_mask(self._position, n, device)
         self._position += n
         return mask

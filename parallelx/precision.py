@@ -29,8 +29,10 @@ class Precision:
         """``device`` None: before the backend knows its device (autocast on the
         CPU, no scaler yet); the backend makes it again once it does."""
         if precision == "16-mixed" and device is not None and device.type != "cuda":
-            raise ParallelxError(f"precision 16-mixed needs a CUDA GPU (float16 autocast with loss scaling); this "
-                                 f"process runs on {device}: use bf16-mixed on the CPU")
+            raise ParallelxError(
+                f"precision 16-mixed needs a CUDA GPU (float16 autocast with loss scaling); this "
+                f"process runs on {device}: use bf16-mixed on the CPU"
+            )
         self.name = precision
         self.device = torch.device("cpu") if device is None else device
         self.dtype: torch.dtype | None = DTYPES.get(precision)

@@ -85,8 +85,9 @@ class Preemption:
             self.active = True
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)  # type: ignore[arg-type]
         self._previous.clear()

@@ -54,11 +54,15 @@ def restart_store(timeout: _dt.timedelta) -> dist.Store | None:
     failure and another for the change of membership, which torchrun does not
     count, so their counts differ.  :func:`attempt_token` agrees on one.
     None elsewhere: the launcher's ``env://`` rendezvous is used as it is."""
-    if (os.environ.get("TORCHELASTIC_RESTART_COUNT") is None
-            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     token = attempt_token(agent, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
     return dist.PrefixStore(f"parallelx/attempt-{token}", agent)
 
@@ -91,8 +95,10 @@ def attempt_token(store: dist.Store, rank: int, world_size: int, timeout: _dt.ti
                 store.set(f"{prefix}/welcome/{store.get(f'{prefix}/hello/{r}').decode()}", token)
         if pending:
             if time.monotonic() > deadline:
-                raise LaunchError(f"rank 0: ranks {sorted(pending)[:8]} did not join this attempt's process group "
-                                  f"within {timeout.total_seconds():.0f}s")
+                raise LaunchError(
+                    f"rank 0: ranks {sorted(pending)[:8]} did not join this attempt's process group "
+                    f"within {timeout.total_seconds():.0f}s"
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
     return token
@@ -113,10 +119,13 @@ class ProcessGroupBackend(Backend):
         launch more), which keeps ``python train.py --backend NAME`` usable for debugging."""
         assert self.environment is not None
         if self.environment.name == "local":
-            warn(f"{self.name}: no launcher found, running as a world of 1 process; for N processes start with "
-                 f"`{self.launcher.usage()}`")
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            warn(
+                f"{self.name}: no launcher found, running as a world of 1 process; for N processes start with "
+                f"`{self.launcher.usage()}`"
+            )
+            os.environ.update(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+            )
         self._local_rank = self.environment.world().local_rank
         self._device = self._pick_device(self._local_rank)
         self._init_process_group()
@@ -132,21 +141,30 @@ class ProcessGroupBackend(Backend):
         if dist.is_initialized():  # adopted: _owns_group stays False, the group is left to whoever made it
             if env.owns_process_group and self.timeout_explicit:
                 where = env.group_timeout or f"{env.name}'s own"
-                warn(f"{self.name}: {env.name} made the process group before this script ran, so its timeout is "
-                     f"not --timeout's {self.timeout_s:g}s but {where}")
+                warn(
+                    f"{self.name}: {env.name} made the process group before this script ran, so its timeout is "
+                    f"not --timeout's {self.timeout_s:g}s but {where}"
+                )
             return
         env.export()  # the torch.distributed variables, where the environment names them otherwise
         missing = [k for k in self.REQUIRED_ENV if k not in os.environ]
         if missing:
-            raise LaunchError(f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
-                              f"`{self.launcher.usage()}`")
+            raise LaunchError(
+                f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
+                f"`{self.launcher.usage()}`"
+            )
         timeout = _dt.timedelta(seconds=self.timeout_s)
         store = restart_store(timeout)
         if store is None:
             dist.init_process_group(backend=self._dist_backend(), timeout=timeout)
         else:
-            dist.init_process_group(backend=self._dist_backend(), timeout=timeout, store=store,
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            dist.init_process_group(
+                backend=self._dist_backend(),
+                timeout=timeout,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
         self._owns_group = True
 
     def _dist_backend(self) -> str:

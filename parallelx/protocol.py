@@ -36,8 +36,19 @@ from .launch import PYTHON, Launcher
 from .loop import LoopHooks, LoopOptions, StepResult, TrainingLoop
 from .precision import Precision
 from .sampler import ShardedSampler
-from .settings import DEFAULT_TIMEOUT_S, DEVICES, REDUCE_OPS, ReduceOp, check_op, default_timeout  # noqa: F401
-from .settings import check_device, check_timeout, common_options, limit_cpu_threads, pick_device
+from .settings import (  # noqa: F401
+    DEFAULT_TIMEOUT_S,
+    DEVICES,
+    REDUCE_OPS,
+    ReduceOp,
+    check_device,
+    check_op,
+    check_timeout,
+    common_options,
+    default_timeout,
+    limit_cpu_threads,
+    pick_device,
+)
 from .state import keep_rng_state
 from .utils import has_batchnorm, missing_package
 from .watchdog import Watchdog
@@ -67,10 +78,18 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
     #: can form its world in; None: it ignores them (a world of one process).
     environments: ClassVar[tuple[str, ...] | None] = None
 
-    def __init__(self, *, timeout: float | None = None, device: str | torch.device | None = None,
-                 verbose: bool = True, accumulate: int = 1, clip_grad_norm: float | None = None,
-                 precision: str = "32", grad_compression: str = "none",
-                 environment: ClusterEnvironment | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        device: str | torch.device | None = None,
+        verbose: bool = True,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        precision: str = "32",
+        grad_compression: str = "none",
+        environment: ClusterEnvironment | None = None,
+    ) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
         #: which then overrides a launcher's own default.
         self.timeout_explicit = timeout is not None or "PARALLELX_TIMEOUT" in os.environ
@@ -81,8 +100,9 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         self._rank, self._world_size, self._local_rank, self._local_world_size = 0, 1, 0, 1
         self._device = torch.device("cpu")
         #: What the backend does to the update besides averaging (see :mod:`parallelx.loop`).
-        self.options = LoopOptions(accumulate=accumulate, clip_grad_norm=clip_grad_norm, precision=precision,
-                                   grad_compression=grad_compression)
+        self.options = LoopOptions(
+            accumulate=accumulate, clip_grad_norm=clip_grad_norm, precision=precision, grad_compression=grad_compression
+        )
         self._check_options(self.options)
         #: Where this process's rank and world come from: given, or detected by init().
         self.environment: ClusterEnvironment | None = environment
@@ -132,8 +152,10 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
             print(*args, **kwargs, flush=True)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
-                f"world_size={self.world_size}, device={str(self.device)!r})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, device={str(self.device)!r})"
+        )
 
     # --------------------------------------------------------- launch hooks
     @classmethod
@@ -165,9 +187,11 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
             return self
         env = self.environment = self.environment or detect_environment()
         if self.environments is not None and env.name not in self.environments:
-            raise LaunchError(f"{self.name} cannot form its world under {env.name} ({env.why()}); it runs under "
-                              f"{', '.join(self.environments)}: start it with `{self.launcher.usage()} --backend "
-                              f"{self.name} ...`{env.hint()}")
+            raise LaunchError(
+                f"{self.name} cannot form its world under {env.name} ({env.why()}); it runs under "
+                f"{', '.join(self.environments)}: start it with `{self.launcher.usage()} --backend "
+                f"{self.name} ...`{env.hint()}"
+            )
         log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
         with keep_rng_state():
             self._init()
@@ -235,8 +259,9 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
 
     def _require_init(self) -> None:
         if not self._initialized:
-            raise ParallelxError(f"backend {self.name!r} is not initialised: call backend.init() "
-                                 "(or use `with backend:`) first")
+            raise ParallelxError(
+                f"backend {self.name!r} is not initialised: call backend.init() (or use `with backend:`) first"
+            )
 
     def _pick_device(self, index: int) -> torch.device:
         """The device for a process that may use GPU ``index`` (:func:`parallelx.settings.pick_device`)."""
@@ -275,8 +300,9 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         """The backend's own optimizer wrapping (called by :meth:`wrap_optimizer`)."""
         return optimizer
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """``wrap_model`` then ``wrap_optimizer``; the optimizer returned is None when none was given."""
         self._require_init()
         wrapped = self.wrap_model(model)
@@ -337,13 +363,15 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         return options
 
     # ----------------------------------------------------------------- data
-    def make_sampler(self, dataset: Sized, *, shuffle: bool = True, seed: int = 0,
-                     drop_last: bool = False) -> ShardedSampler:
+    def make_sampler(
+        self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> ShardedSampler:
         """This rank's shard of ``dataset``: disjoint shards that cover it, padded
         to equal length (``MetricSums`` leaves the padding out); a new shuffle
         every epoch without ``set_epoch``."""
-        return ShardedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
-                              shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedSampler(
+            dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
 
     # ---------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -435,8 +463,9 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         (gathering sharded state is collective); rank 0 writes, atomically; a
         failure leaves any previous file intact and raises on every rank."""
         self._require_init()
-        checkpoint.save_on_main(self.portable(obj), path, is_main=self.is_main(),
-                                broadcast=lambda error: self.broadcast(error, src=0))
+        checkpoint.save_on_main(
+            self.portable(obj), path, is_main=self.is_main(), broadcast=lambda error: self.broadcast(error, src=0)
+        )
 
     def load(self, path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
         """Read a file written by :meth:`save` (any backend, any world size) onto the CPU."""

@@ -37,40 +37,62 @@ _PASSED_PREFIXES = ("PARALLELX_",)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m parallelx.ray", description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s [options] (-m MODULE | SCRIPT) [ARGS ...]")
+    p = argparse.ArgumentParser(
+        prog="python -m parallelx.ray",
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [options] (-m MODULE | SCRIPT) [ARGS ...]",
+    )
     p.add_argument("-n", "--num-workers", type=int, default=2, help="Ray Train workers, one rank each (default 2)")
     p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); default: the CPU (Gloo)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per worker (default 1)")
-    p.add_argument("--max-failures", type=int, default=0,
-                   help="times Ray replaces a failed worker group, which then resumes (default 0)")
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="times Ray replaces a failed worker group, which then resumes (default 0)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="the process group's timeout in s (default 1800)")
-    p.add_argument("--storage", type=Path, default=None,
-                   help="where Ray keeps the reported checkpoints (shared by every node; default ~/ray_results)")
+    p.add_argument(
+        "--storage",
+        type=Path,
+        default=None,
+        help="where Ray keeps the reported checkpoints (shared by every node; default ~/ray_results)",
+    )
     p.add_argument("--name", default=None, help="the run's name under --storage (default: parallelx-<time>)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints Ray keeps (default 2)")
-    p.add_argument("--address", default=None,
-                   help="a running Ray cluster, or auto for this machine's "
-                        "(default: $RAY_ADDRESS, else a new local one)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME",
-                   help="pass this variable of the driver's environment to the workers (repeatable)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster, or auto for this machine's (default: $RAY_ADDRESS, else a new local one)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this variable of the driver's environment to the workers (repeatable)",
+    )
     return p
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], str, str, list[str]]:
     """``(launcher options, "module" or "file", target, script arguments)``:
     the script starts at ``-m MODULE`` or at the first word that is no option's."""
-    takes_value = {a for action in build_parser()._actions if action.nargs is None and action.option_strings
-                   for a in action.option_strings}
+    takes_value = {
+        a
+        for action in build_parser()._actions
+        if action.nargs is None and action.option_strings
+        for a in action.option_strings
+    }
     i = 0
     while i < len(argv):
         word = argv[i]
         if word == "-m":
             if i + 1 >= len(argv):
                 break
-            return list(argv[:i]), "module", argv[i + 1], list(argv[i + 2:])
+            return list(argv[:i]), "module", argv[i + 1], list(argv[i + 2 :])
         if not word.startswith("-"):
-            return list(argv[:i]), "file", word, list(argv[i + 1:])
+            return list(argv[:i]), "file", word, list(argv[i + 1 :])
         i += 2 if word in takes_value else 1
     raise ParallelxError("python -m parallelx.ray: give the script to run, as -m MODULE or SCRIPT, after the options")
 
@@ -119,9 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if address:
             ray.init(address=address, runtime_env={"env_vars": passed})
         else:  # a local cluster sized for the workers; no dashboard (seconds of start-up, a port)
-            ray.init(address="local", num_cpus=max(1, int(opts.num_workers * opts.cpus_per_worker + 0.999)),
-                     num_gpus=opts.num_workers if opts.gpu else 0, include_dashboard=False,
-                     runtime_env={"env_vars": passed})
+            ray.init(
+                address="local",
+                num_cpus=max(1, int(opts.num_workers * opts.cpus_per_worker + 0.999)),
+                num_gpus=opts.num_workers if opts.gpu else 0,
+                include_dashboard=False,
+                runtime_env={"env_vars": passed},
+            )
             started = True
     resources = {"CPU": opts.cpus_per_worker, **({"GPU": 1} if opts.gpu else {})}
     trainer = TorchTrainer(
@@ -129,10 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_loop_config={"cwd": cwd, "path": path, "kind": kind, "target": target, "args": args},
         scaling_config=ScalingConfig(num_workers=opts.num_workers, use_gpu=opts.gpu, resources_per_worker=resources),
         torch_config=TorchConfig(timeout_s=int(opts.timeout)),
-        run_config=RunConfig(name=opts.name or f"parallelx-{time.strftime('%Y%m%d-%H%M%S')}",
-                             storage_path=None if opts.storage is None else str(opts.storage.resolve()),
-                             failure_config=FailureConfig(max_failures=opts.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=opts.keep_checkpoints)))
+        run_config=RunConfig(
+            name=opts.name or f"parallelx-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=None if opts.storage is None else str(opts.storage.resolve()),
+            failure_config=FailureConfig(max_failures=opts.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=opts.keep_checkpoints),
+        ),
+    )
     try:
         result = trainer.fit()
     except Exception as exc:  # Ray's TrainingFailedError, with the worker's error inside

@@ -63,8 +63,7 @@ def backend_class(name: str) -> type[Backend]:
         name = detect_backend()
     table = _table()
     if name not in table:
-        raise UnknownBackendError(
-            f"unknown backend {name!r}; valid backends are: {', '.join(available_backends())}")
+        raise UnknownBackendError(f"unknown backend {name!r}; valid backends are: {', '.join(available_backends())}")
     target = table[name]
     if isinstance(target, str):
         module, _, attr = target.partition(":")

@@ -84,17 +84,26 @@ def job_env(launcher: Launcher | None = None, extra: Mapping[str, str] | None = 
     it), Python's stacks on a fatal signal, the launcher's loopback settings,
     then ``extra``."""
     env = dict(os.environ)
-    env.update(PATH=os.pathsep.join(filter(None, [str(BIN), env.get("PATH")])),
-               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.update(
+        PATH=os.pathsep.join(filter(None, [str(BIN), env.get("PATH")])), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1"
+    )
     if launcher is not None:
         env.update(launcher.env())
     env.update(extra or {})
     return env
 
 
-def run(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None = None,
-        cwd: str | os.PathLike[str] | None = None, log: Path | None = None, grace: float = 0.0,
-        interactive: bool = False, die_with_parent: bool = False) -> Finished:
+def run(
+    cmd: Sequence[str],
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    log: Path | None = None,
+    grace: float = 0.0,
+    interactive: bool = False,
+    die_with_parent: bool = False,
+) -> Finished:
     """Run ``cmd`` and wait for it, at most ``timeout`` seconds.
 
     ``env`` is the whole environment (default: this process's), with
@@ -119,13 +128,18 @@ def run(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | N
             out.write("$ " + shlex.join(cmd) + "\n")
             out.flush()
         else:
-            out = tempfile.TemporaryFile("w+", errors="replace")
+            out = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115  (closed below)
         begin = out.tell()  # where the job's own output starts
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-                                stdout=out, stderr=subprocess.STDOUT if out is not None else None,
-                                start_new_session=not interactive,
-                                preexec_fn=_die_with_parent if die_with_parent else None)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=not interactive,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -145,8 +159,15 @@ def run(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | N
             out.close()
 
 
-def launch(launcher: Launcher, target: Sequence[str], nproc: int = 2, *, timeout: float | None,
-           env: Mapping[str, str] | None = None, **kwargs: Any) -> Finished:
+def launch(
+    launcher: Launcher,
+    target: Sequence[str],
+    nproc: int = 2,
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> Finished:
     """Start ``target`` (``["-m", "pkg.mod", *args]`` or ``["file.py", *args]``)
     under ``launcher`` on this machine: ``nproc`` processes (one for the
     in-process launchers), on the loopback interface and a free port, with

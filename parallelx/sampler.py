@@ -119,8 +119,10 @@ class ShardedSampler(Sampler[int]):
         """The padded global index list of the latest pass (what :meth:`global_order`
         gave for the epoch that pass used)."""
         if self.last_epoch is None:
-            raise ParallelxError("this sampler has not been iterated yet: the order of a pass is known once "
-                                 "a loader built on it has started that pass")
+            raise ParallelxError(
+                "this sampler has not been iterated yet: the order of a pass is known once "
+                "a loader built on it has started that pass"
+            )
         if self._last_start:
             return self._rest_order(self.last_epoch, self._last_start)
         return self.global_order(self.last_epoch)
@@ -131,12 +133,16 @@ class ShardedSampler(Sampler[int]):
         ``gathered[sampler.dataset_index()]`` has row ``i`` = sample ``i``, the
         padding duplicates left out."""
         if self._last_start or self._resume is not None:
-            raise ParallelxError("the latest pass resumed part of an epoch (load_state_dict), so it has no row for "
-                                 "the samples done before; gather in dataset order over a whole pass")
+            raise ParallelxError(
+                "the latest pass resumed part of an epoch (load_state_dict), so it has no row for "
+                "the samples done before; gather in dataset order over a whole pass"
+            )
         if self.total_size < self.dataset_size:
-            raise ParallelxError(f"drop_last=True leaves {self.dataset_size - self.total_size} of the "
-                                 f"{self.dataset_size} samples out of every pass, so there is no row for them; "
-                                 "build the sampler with drop_last=False to gather in dataset order")
+            raise ParallelxError(
+                f"drop_last=True leaves {self.dataset_size - self.total_size} of the "
+                f"{self.dataset_size} samples out of every pass, so there is no row for them; "
+                "build the sampler with drop_last=False to gather in dataset order"
+            )
         order = torch.tensor(self.last_order()[: self.dataset_size], dtype=torch.int64)
         # Position p of the padded order is row p // W of rank p % W's shard.
         position = torch.arange(self.dataset_size, dtype=torch.int64)
@@ -181,14 +187,21 @@ class ShardedSampler(Sampler[int]):
         else:
             done = self._drawn if consumed is None else int(consumed)
             if not 0 <= done <= self.num_samples:
-                raise ParallelxError(f"consumed must be in [0, {self.num_samples}] (this rank's samples in the "
-                                     f"current pass), got {consumed}")
+                raise ParallelxError(
+                    f"consumed must be in [0, {self.num_samples}] (this rank's samples in the "
+                    f"current pass), got {consumed}"
+                )
             epoch = self._pass_epoch
             position = self._start + min(done * self.num_replicas, self.dataset_size - self._start)
             if done == self.num_samples or position >= self.dataset_size:
                 epoch, position = epoch + 1, 0
-        return {"seed": self.seed, "epoch": epoch, "consumed": position, "dataset_size": self.dataset_size,
-                "shuffle": self.shuffle}
+        return {
+            "seed": self.seed,
+            "epoch": epoch,
+            "consumed": position,
+            "dataset_size": self.dataset_size,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
         """Continue from :meth:`state_dict`'s position, at any world size: the
@@ -202,9 +215,11 @@ class ShardedSampler(Sampler[int]):
         except (KeyError, TypeError, ValueError) as exc:
             raise ParallelxError(f"not a sampler state ({type(exc).__name__}: {exc})") from None
         if size != self.dataset_size or shuffle != self.shuffle:
-            raise ParallelxError(f"the sampler state is of a dataset of {size} samples (shuffle={shuffle}), this "
-                                 f"sampler's has {self.dataset_size} (shuffle={self.shuffle}); resume with the "
-                                 "same dataset")
+            raise ParallelxError(
+                f"the sampler state is of a dataset of {size} samples (shuffle={shuffle}), this "
+                f"sampler's has {self.dataset_size} (shuffle={self.shuffle}); resume with the "
+                "same dataset"
+            )
         if not 0 <= position <= size or epoch < 0:
             raise ParallelxError(f"the sampler state's position {position} (epoch {epoch}) is outside [0, {size}]")
         if position == size:
@@ -222,8 +237,10 @@ class ShardedSampler(Sampler[int]):
             if pending[0] == epoch:
                 start = pending[1]
             else:
-                warn(f"sampler: the loaded state continues epoch {pending[0]} at position {pending[1]}, but this "
-                     f"pass is epoch {epoch} (set_epoch changed it): epoch {epoch} is taken whole")
+                warn(
+                    f"sampler: the loaded state continues epoch {pending[0]} at position {pending[1]}, but this "
+                    f"pass is epoch {epoch} (set_epoch changed it): epoch {epoch} is taken whole"
+                )
         if start != self._start:
             self._shape_pass(start)
         self._drawn, self._pass_epoch = 0, epoch

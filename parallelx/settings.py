@@ -50,8 +50,10 @@ def check_device(device: str | torch.device | None) -> str:
         return "auto"
     name = device.type if isinstance(device, torch.device) else str(device)
     if name not in DEVICES:
-        raise ParallelxError(f"device must be one of {', '.join(DEVICES)}, got {device!r} "
-                             "(the GPU index follows the process's local rank)")
+        raise ParallelxError(
+            f"device must be one of {', '.join(DEVICES)}, got {device!r} "
+            "(the GPU index follows the process's local rank)"
+        )
     return name
 
 
@@ -66,8 +68,10 @@ def pick_device(request: str, index: int, who: str) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     if request == "cuda":
-        raise ParallelxError(f"{who}: device 'cuda' asked for, but this process needs GPU {index} and "
-                             f"{gpus} GPU(s) are visible; use fewer processes per machine or --device cpu")
+        raise ParallelxError(
+            f"{who}: device 'cuda' asked for, but this process needs GPU {index} and "
+            f"{gpus} GPU(s) are visible; use fewer processes per machine or --device cpu"
+        )
     return torch.device("cpu")
 
 

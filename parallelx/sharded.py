@@ -59,8 +59,9 @@ def read_whole(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     state: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does: the planner makes the whole tensors from the file's index
     # (dcp.load leaves an empty dict empty).
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=dcp.FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return state["model"], state.get("optimizer", {}).get("state", {})
 
 
@@ -69,7 +70,7 @@ def saved_keys(directory: Path) -> set[str]:
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(directory / SHARDS)).read_metadata()
-    return {k[len("model."):] for k in meta.state_dict_metadata if k.startswith("model.")}
+    return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
 def load(backend: Any, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
@@ -78,8 +79,10 @@ def load(backend: Any, path: Path, model: Any, optimizer: Any, saved_optimizer: 
     live = set(backend.unwrap(model).state_dict().keys())
     keys = saved_keys(path)
     if keys != live:
-        raise ParallelxError(f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
-                             f"this model {sorted(keys - live)[:3]}")
+        raise ParallelxError(
+            f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
+            f"this model {sorted(keys - live)[:3]}"
+        )
     if backend.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
         return
     weights, optim = read_whole(path)
@@ -95,8 +98,9 @@ def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
     path = Path(state_file).parent
     state = checkpoint.load(state_file)
     if not isinstance(state, dict) or not state.get("meta", {}).get("sharded"):
-        raise ParallelxError(f"{path} is not a sharded checkpoint: its {Path(state_file).name} already is "
-                             "the portable file")
+        raise ParallelxError(
+            f"{path} is not a sharded checkpoint: its {Path(state_file).name} already is the portable file"
+        )
     weights, optim = read_whole(path)
     state["model"] = weights
     state["optimizer"] = {**state["optimizer"], "state": optim}

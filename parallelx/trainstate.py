@@ -47,8 +47,15 @@ from torch import nn
 from . import checkpoint, log, sharded
 from .environments import detect_environment
 from .errors import ParallelxError
-from .state import check_named_groups, indexed_optimizer_state, load_named_optimizer_state  # noqa: F401
-from .state import named_from_indexed, named_optimizer_state, rng_state, set_rng_state  # noqa: F401
+from .state import (  # noqa: F401  # noqa: F401
+    check_named_groups,
+    indexed_optimizer_state,
+    load_named_optimizer_state,
+    named_from_indexed,
+    named_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 
 # Importable from here as before; they live in the pure helpers' module.
 from .version import __version__
@@ -242,13 +249,23 @@ def load_training_state(
             raise ParallelxError(f"checkpoint {path} holds no sampler position; load it without sampler=...")
         sampler.load_state_dict(state["sampler"])
     if meta["world_size"] != backend.world_size:
-        log.warn(f"checkpoint {path} was written by {meta['world_size']} rank(s), this run has "
-                 f"{backend.world_size}: the data order continues exactly; the weights continue with a "
-                 "different reduction order" + (", and ranks that had no RNG state start from rank 0's"
-                                                 if backend.world_size > meta["world_size"] else ""))
+        log.warn(
+            f"checkpoint {path} was written by {meta['world_size']} rank(s), this run has "
+            f"{backend.world_size}: the data order continues exactly; the weights continue with a "
+            "different reduction order"
+            + (
+                ", and ranks that had no RNG state start from rank 0's"
+                if backend.world_size > meta["world_size"]
+                else ""
+            )
+        )
     set_rng_state(rng)  # last: nothing above may shift this rank's random numbers
-    return {"counters": dict(state["counters"]), "loader_seed": state["loader_seed"], "meta": dict(meta),
-            "extra": state.get("extra")}
+    return {
+        "counters": dict(state["counters"]),
+        "loader_seed": state["loader_seed"],
+        "meta": dict(meta),
+        "extra": state.get("extra"),
+    }
 
 
 # ---------------------------------------------------------------- helpers
@@ -262,8 +279,10 @@ def _check_counters(counters: Mapping[str, int]) -> dict[str, int]:
         raise ParallelxError(f"counters must be a dict of str to int, got {type(counters).__name__}")
     bad = [k for k, v in counters.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)]
     if bad:
-        raise ParallelxError(f"counters must map names to ints; not so for {bad[:3]}: give other loop state "
-                             "(floats such as a best accuracy, lists, dicts) as extra={...}")
+        raise ParallelxError(
+            f"counters must map names to ints; not so for {bad[:3]}: give other loop state "
+            "(floats such as a best accuracy, lists, dicts) as extra={...}"
+        )
     return {k: int(v) for k, v in counters.items()}
 
 
@@ -313,8 +332,10 @@ def plain(obj: Any, where: str = "state") -> Any:
     if isinstance(obj, (list, tuple)):
         items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
-    raise ParallelxError(f"{where} holds a {type(obj).__name__}, which a weights_only checkpoint cannot store; "
-                         "keep only tensors, numbers, strings, lists and dicts in it")
+    raise ParallelxError(
+        f"{where} holds a {type(obj).__name__}, which a weights_only checkpoint cannot store; "
+        "keep only tensors, numbers, strings, lists and dicts in it"
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -396,16 +417,20 @@ def _first_line(exc: BaseException) -> str:
 
 def _read_state(path: Path) -> dict[str, Any]:
     if not path.is_dir() or not (path / STATE_FILE).is_file():
-        raise ParallelxError(f"{path} is not a complete checkpoint directory (no {STATE_FILE}); "
-                             "use parallelx.latest_checkpoint(run_dir) to find one")
+        raise ParallelxError(
+            f"{path} is not a complete checkpoint directory (no {STATE_FILE}); "
+            "use parallelx.latest_checkpoint(run_dir) to find one"
+        )
     state = checkpoint.load(path / STATE_FILE)
     keys = ("meta", "model", "optimizer", "scheduler", "scaler", "sampler", "counters", "loader_seed")
     if not isinstance(state, dict) or any(k not in state for k in keys) or not isinstance(state["meta"], dict):
         raise ParallelxError(f"checkpoint {path / STATE_FILE} is not a parallelx training state")
     version = state["meta"].get("format")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ParallelxError(f"checkpoint {path} has format {version!r}; this parallelx reads format "
-                             f"{FORMAT_VERSION} and older: upgrade parallelx")
+        raise ParallelxError(
+            f"checkpoint {path} has format {version!r}; this parallelx reads format "
+            f"{FORMAT_VERSION} and older: upgrade parallelx"
+        )
     return state
 
 
@@ -424,15 +449,19 @@ def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend
     live = set(backend.unwrap(model).state_dict().keys())
     if set(saved) != live:
         missing, extra = sorted(live - set(saved))[:3], sorted(set(saved) - live)[:3]
-        raise ParallelxError(f"checkpoint {path} is of another model: not saved {missing}, not in this model "
-                             f"{extra} ({len(saved)} entries saved, {len(live)} here)")
+        raise ParallelxError(
+            f"checkpoint {path} is of another model: not saved {missing}, not in this model "
+            f"{extra} ({len(saved)} entries saved, {len(live)} here)"
+        )
 
 
 def _check_optimizer(path: Path, meta: Mapping[str, Any], saved: Mapping[str, Any], optimizer: Any) -> None:
     mine = _optimizer_type(optimizer)
     if meta.get("optimizer") != mine:
-        raise ParallelxError(f"checkpoint {path} holds the state of a {meta.get('optimizer')} optimizer, this "
-                             f"run uses {mine}; resume with the optimizer the run was saved with")
+        raise ParallelxError(
+            f"checkpoint {path} holds the state of a {meta.get('optimizer')} optimizer, this "
+            f"run uses {mine}; resume with the optimizer the run was saved with"
+        )
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
         raise ParallelxError(f"checkpoint {path} holds no usable optimizer state")
 
@@ -445,5 +474,7 @@ def _load_optional(path: Path, what: str, target: Any, state: Any) -> None:
     try:
         target.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-        raise ParallelxError(f"checkpoint {path}: the {what} state does not fit this {what} "
-                             f"({type(target).__name__}): {_first_line(exc)}") from None
+        raise ParallelxError(
+            f"checkpoint {path}: the {what} state does not fit this {what} "
+            f"({type(target).__name__}): {_first_line(exc)}"
+        ) from None

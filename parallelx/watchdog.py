@@ -76,6 +76,7 @@ class Watchdog:
                     f"parallelx: error: rank {self.rank}: {self._what} has waited {waited:.0f} s, longer than the "
                     f"timeout ({self.timeout_s:g} s; --timeout or $PARALLELX_TIMEOUT): another rank is stalled or "
                     f"gone. Ending this process (exit status {EXIT_STALLED}) so that the launcher stops the job, "
-                    "or restarts it from its last checkpoint.\n")
+                    "or restarts it from its last checkpoint.\n"
+                )
                 sys.stderr.flush()
                 os._exit(EXIT_STALLED)

@@ -43,8 +43,7 @@ from .models import LeNet
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = base_parser(f"python -m {__package__}.cifar10", "CIFAR-10 with LeNet", epochs=10, batch_size=64,
-                         lr=0.01)
+    parser = base_parser(f"python -m {__package__}.cifar10", "CIFAR-10 with LeNet", epochs=10, batch_size=64, lr=0.01)
     parser.add_argument("--download", action="store_true", help="download CIFAR-10 into --data-dir")
     parser.add_argument("--skip-checksum", action="store_true", help="read files whose md5 sums are not official")
     return parser
@@ -69,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
             model = LeNet(num_classes=10)
             return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-        fit_elastic(backend, build, train_set, val_set, FitConfig.from_args(args),
-                    run_info={"recipe": "cifar10", "model": "LeNet"})
+        fit_elastic(
+            backend,
+            build,
+            train_set,
+            val_set,
+            FitConfig.from_args(args),
+            run_info={"recipe": "cifar10", "model": "LeNet"},
+        )
     return 0
 
 

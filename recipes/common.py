@@ -36,8 +36,14 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
-        if ("%(default)" in help or action.default is None or action.default is False
-                or action.default is argparse.SUPPRESS or action.required or not action.option_strings):
+        if (
+            "%(default)" in help
+            or action.default is None
+            or action.default is False
+            or action.default is argparse.SUPPRESS
+            or action.required
+            or not action.option_strings
+        ):
             return help
         return f"{help} (default: %(default)s)"
 
@@ -127,27 +133,57 @@ def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
     p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
     p.add_argument("--momentum", type=momentum, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
-    p.add_argument("--num-workers", type=non_negative_int, default=None,
-                   help="data-loader workers per process (default: this process's share of the cores, minus one)")
-    p.add_argument("--max-steps", type=positive_int, default=None,
-                   help="cap on micro-batches per epoch and process, for quick runs (default: the whole epoch)")
-    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                   help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
-                        "50%% and 75%% of the steps)")
-    p.add_argument("--warmup-epochs", type=non_negative_float, default=0.0,
-                   help="ramp the learning rate up linearly over this many epochs first (fractions allowed)")
+    p.add_argument(
+        "--num-workers",
+        type=non_negative_int,
+        default=None,
+        help="data-loader workers per process (default: this process's share of the cores, minus one)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        help="cap on micro-batches per epoch and process, for quick runs (default: the whole epoch)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="constant",
+        help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
+        "50%% and 75%% of the steps)",
+    )
+    p.add_argument(
+        "--warmup-epochs",
+        type=non_negative_float,
+        default=0.0,
+        help="ramp the learning rate up linearly over this many epochs first (fractions allowed)",
+    )
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
-    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
-                   help="write a training-state checkpoint into OUT_DIR/checkpoints every STEPS optimizer steps "
-                        "(and at every epoch's end); turns on SIGTERM handling: save at the next step, then stop "
-                        "(default: no checkpoints, unless --resume is given)")
-    p.add_argument("--resume", default=None, metavar="{auto,PATH}",
-                   help="continue from a checkpoint: auto = the latest in --out-dir, or a fresh start when there is "
-                        "none (use it in launch lines, so that a restarted job resumes by itself); PATH = that "
-                        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling "
-                        "(default: start afresh)")
-    p.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K",
-                   help="how many of the newest checkpoints to keep")
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        metavar="STEPS",
+        help="write a training-state checkpoint into OUT_DIR/checkpoints every STEPS optimizer steps "
+        "(and at every epoch's end); turns on SIGTERM handling: save at the next step, then stop "
+        "(default: no checkpoints, unless --resume is given)",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="{auto,PATH}",
+        help="continue from a checkpoint: auto = the latest in --out-dir, or a fresh start when there is "
+        "none (use it in launch lines, so that a restarted job resumes by itself); PATH = that "
+        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling "
+        "(default: start afresh)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        default=3,
+        metavar="K",
+        help="how many of the newest checkpoints to keep",
+    )
     return p
 
 
@@ -162,8 +198,10 @@ def validate(args: argparse.Namespace) -> None:
     check_resume(getattr(args, "resume", None))
     epochs = getattr(args, "epochs", None)
     if epochs is not None and getattr(args, "warmup_epochs", 0) >= epochs:
-        raise ParallelxError(f"--warmup-epochs {args.warmup_epochs} must be less than --epochs {epochs}: the "
-                             "learning rate would never reach --lr")
+        raise ParallelxError(
+            f"--warmup-epochs {args.warmup_epochs} must be less than --epochs {epochs}: the "
+            "learning rate would never reach --lr"
+        )
 
 
 def check_resume(resume: str | None) -> None:
@@ -174,9 +212,11 @@ def check_resume(resume: str | None) -> None:
     if not resume:
         raise ParallelxError("--resume needs 'auto' or the path of a checkpoint directory")
     if not Path(resume).exists():
-        raise ParallelxError(f"--resume {resume}: no such checkpoint (a directory such as "
-                             "OUT_DIR/checkpoints/step-00000120); use --resume auto to take the latest when there "
-                             "is one")
+        raise ParallelxError(
+            f"--resume {resume}: no such checkpoint (a directory such as "
+            "OUT_DIR/checkpoints/step-00000120); use --resume auto to take the latest when there "
+            "is one"
+        )
 
 
 def check_num_workers(workers: int | None) -> None:
@@ -186,9 +226,11 @@ def check_num_workers(workers: int | None) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     limit = max(8, 4 * cores)
     if workers is not None and workers > limit:
-        raise ParallelxError(f"--num-workers {workers} would start {workers} loader processes per training process "
-                             f"on {cores} CPU core(s); use at most {limit} (the default, each process's share of "
-                             "the cores less one, suits most runs)")
+        raise ParallelxError(
+            f"--num-workers {workers} would start {workers} loader processes per training process "
+            f"on {cores} CPU core(s); use at most {limit} (the default, each process's share of "
+            "the cores less one, suits most runs)"
+        )
 
 
 def check_data_dir(path: Path) -> None:
@@ -204,11 +246,13 @@ def check_out_dir(path: Path, option: str = "--out-dir") -> None:
     writing a probe file, since ``os.access`` says yes to root even on a
     read-only file system."""
     if path.is_symlink() and not path.exists():
-        raise ParallelxError(f"{option} {path} is a broken symbolic link (to {os.readlink(path)}); "
-                             "remove it or choose another directory")
+        raise ParallelxError(
+            f"{option} {path} is a broken symbolic link (to {os.readlink(path)}); remove it or choose another directory"
+        )
     if path.exists() and not path.is_dir():
-        raise ParallelxError(f"{option} {path} is a file; expected a directory (it is created if missing): "
-                             "choose another path")
+        raise ParallelxError(
+            f"{option} {path} is a file; expected a directory (it is created if missing): choose another path"
+        )
     nearest = path
     while not nearest.exists():
         if nearest.is_symlink():
@@ -217,8 +261,10 @@ def check_out_dir(path: Path, option: str = "--out-dir") -> None:
             break
         nearest = nearest.parent
     if not nearest.is_dir():
-        raise ParallelxError(f"{option} {path} cannot be created: {nearest} is a file, not a directory; "
-                             "choose a path that is not under a file")
+        raise ParallelxError(
+            f"{option} {path} cannot be created: {nearest} is a file, not a directory; "
+            "choose a path that is not under a file"
+        )
     if not os.access(nearest, os.W_OK | os.X_OK) or not _can_write_in(nearest):
         where = "" if nearest == path else f" (it would be created in {nearest})"
         raise ParallelxError(f"{option} {path} is not writable{where}; choose a directory you can write to")

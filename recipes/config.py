@@ -43,11 +43,19 @@ class FitConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FitConfig:
         """The configuration the options of ``recipes.common.base_parser`` give."""
-        return cls(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                   max_steps=args.max_steps, out_dir=args.out_dir,
-                   lr_schedule=args.lr_schedule, warmup_epochs=args.warmup_epochs,
-                   checkpoint_every=args.checkpoint_every, resume=args.resume,
-                   keep_checkpoints=args.keep_checkpoints)
+        return cls(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            num_workers=args.num_workers,
+            max_steps=args.max_steps,
+            out_dir=args.out_dir,
+            lr_schedule=args.lr_schedule,
+            warmup_epochs=args.warmup_epochs,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            keep_checkpoints=args.keep_checkpoints,
+        )
 
     def __post_init__(self) -> None:
         if self.epochs < 1:

@@ -85,22 +85,27 @@ def cifar10_folder(data_dir: str | Path, *, download: bool = False) -> Path:
     may be missing: they are fetched."""
     d = Path(data_dir)
     if d.exists() and not d.is_dir():
-        raise ParallelxError(f"--data-dir {d} is a file; expected a directory holding '{CIFAR_DIR}' "
-                             "(or that folder itself)")
+        raise ParallelxError(
+            f"--data-dir {d} is a file; expected a directory holding '{CIFAR_DIR}' (or that folder itself)"
+        )
     folder = cifar10_root(d) / CIFAR_DIR
     if download:
         if folder.exists() and not folder.is_dir():
             raise ParallelxError(f"{folder} is a file; CIFAR-10 is unpacked into a folder of that name: remove it")
         return folder
     if not folder.is_dir():
-        raise ParallelxError(f"no CIFAR-10 data at {folder}: pass --data-dir pointing at a '{CIFAR_DIR}' folder, "
-                             f"add --download, or generate a stand-in with `{MAKE_DATA} cifar10 --out DIR`")
+        raise ParallelxError(
+            f"no CIFAR-10 data at {folder}: pass --data-dir pointing at a '{CIFAR_DIR}' folder, "
+            f"add --download, or generate a stand-in with `{MAKE_DATA} cifar10 --out DIR`"
+        )
     expected = [*CIFAR_TRAIN_FILES, *CIFAR_TEST_FILES, CIFAR_META_FILE]
     missing = [f for f in expected if not (folder / f).is_file()]
     if missing:
-        raise ParallelxError(f"{folder} is not a complete CIFAR-10 folder: missing {', '.join(missing)} "
-                             f"(expected {', '.join(expected)}); unpack cifar-10-python.tar.gz again, or add "
-                             "--download")
+        raise ParallelxError(
+            f"{folder} is not a complete CIFAR-10 folder: missing {', '.join(missing)} "
+            f"(expected {', '.join(expected)}); unpack cifar-10-python.tar.gz again, or add "
+            "--download"
+        )
     return folder
 
 
@@ -110,9 +115,11 @@ def _unpickle(path: Path, what: str) -> Any:
             # The official files are Python 2 pickles: latin1 reads their byte strings.
             return pickle.load(f, encoding="latin1")
     except Exception as exc:  # truncated (EOFError), garbage (UnpicklingError, ValueError, ...)
-        raise ParallelxError(f"{path} is not a readable {what} ({_brief(exc)}): the file is damaged or truncated; "
-                             "unpack cifar-10-python.tar.gz again (or --download, or regenerate it with "
-                             f"`{MAKE_DATA} cifar10`)") from None
+        raise ParallelxError(
+            f"{path} is not a readable {what} ({_brief(exc)}): the file is damaged or truncated; "
+            "unpack cifar-10-python.tar.gz again (or --download, or regenerate it with "
+            f"`{MAKE_DATA} cifar10`)"
+        ) from None
 
 
 def read_cifar10_batch(path: Path) -> tuple[np.ndarray, list[int]]:
@@ -122,28 +129,37 @@ def read_cifar10_batch(path: Path) -> tuple[np.ndarray, list[int]]:
     entry = _unpickle(path, "CIFAR-10 batch")
     if not isinstance(entry, dict) or "data" not in entry or "labels" not in entry:
         found = f"keys {', '.join(sorted(map(str, entry)))}" if isinstance(entry, dict) else type(entry).__name__
-        raise ParallelxError(f"{path}: expected a dict with 'data' and 'labels' as in the official CIFAR-10 "
-                             f"batches, found {found or 'an empty dict'}")
+        raise ParallelxError(
+            f"{path}: expected a dict with 'data' and 'labels' as in the official CIFAR-10 "
+            f"batches, found {found or 'an empty dict'}"
+        )
     data, labels = entry["data"], entry["labels"]
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and data.shape[1] == 3072):
         found = f"a {data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
-        raise ParallelxError(f"{path}: 'data' is {found}; expected uint8 rows of 3072 values (N x 3072: "
-                             "32 x 32 pixels, the R, G then B planes)")
+        raise ParallelxError(
+            f"{path}: 'data' is {found}; expected uint8 rows of 3072 values (N x 3072: "
+            "32 x 32 pixels, the R, G then B planes)"
+        )
     try:
         y = np.asarray(labels)
     except ValueError as exc:  # a ragged nested list
         raise ParallelxError(f"{path}: 'labels' is not a list of integers ({_brief(exc)})") from None
     if y.ndim != 1 or len(y) != len(data):
-        raise ParallelxError(f"{path}: {len(data)} images but 'labels' has shape {y.shape}; "
-                             "expected one label per image")
+        raise ParallelxError(
+            f"{path}: {len(data)} images but 'labels' has shape {y.shape}; expected one label per image"
+        )
     if len(y) and not np.issubdtype(y.dtype, np.integer):
         first = y[0].item()
-        raise ParallelxError(f"{path}: labels must be integers 0..{CIFAR_NUM_CLASSES - 1}, found "
-                             f"{type(first).__name__} values such as {first!r}")
+        raise ParallelxError(
+            f"{path}: labels must be integers 0..{CIFAR_NUM_CLASSES - 1}, found "
+            f"{type(first).__name__} values such as {first!r}"
+        )
     bad = np.flatnonzero((y < 0) | (y >= CIFAR_NUM_CLASSES))
     if len(bad):
-        raise ParallelxError(f"{path}: {len(bad)} label(s) outside 0..{CIFAR_NUM_CLASSES - 1} (CIFAR-10 has "
-                             f"{CIFAR_NUM_CLASSES} classes), e.g. {int(y[bad[0]])} for image {int(bad[0])}")
+        raise ParallelxError(
+            f"{path}: {len(bad)} label(s) outside 0..{CIFAR_NUM_CLASSES - 1} (CIFAR-10 has "
+            f"{CIFAR_NUM_CLASSES} classes), e.g. {int(y[bad[0]])} for image {int(bad[0])}"
+        )
     return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), [int(v) for v in y]
 
 
@@ -152,8 +168,10 @@ def _read_cifar10_meta(folder: Path) -> list[str]:
     meta = _unpickle(path, "CIFAR-10 meta file")
     names = meta.get("label_names") if isinstance(meta, dict) else None
     if not (isinstance(names, list) and len(names) == CIFAR_NUM_CLASSES and all(isinstance(n, str) for n in names)):
-        raise ParallelxError(f"{path}: expected a dict whose 'label_names' lists the {CIFAR_NUM_CLASSES} class "
-                             "names, as in the official release")
+        raise ParallelxError(
+            f"{path}: expected a dict whose 'label_names' lists the {CIFAR_NUM_CLASSES} class "
+            "names, as in the official release"
+        )
     return names
 
 
@@ -176,12 +194,18 @@ def _check_cifar10_md5(folder: Path) -> None:
     except OSError as exc:
         raise ParallelxError(f"{folder}: cannot read {exc.filename} ({exc.strerror or exc})") from None
     if wrong:
-        raise ParallelxError(f"{folder}: the files do not match the official CIFAR-10 md5 sums ({', '.join(wrong)}); "
-                             "re-download with --download, or pass --skip-checksum to read them anyway")
+        raise ParallelxError(
+            f"{folder}: the files do not match the official CIFAR-10 md5 sums ({', '.join(wrong)}); "
+            "re-download with --download, or pass --skip-checksum to read them anyway"
+        )
 
 
-def load_cifar10(data_dir: str | Path, *, download: bool = False, skip_checksum: bool = False,
-                 ) -> tuple[Dataset, Dataset]:
+def load_cifar10(
+    data_dir: str | Path,
+    *,
+    download: bool = False,
+    skip_checksum: bool = False,
+) -> tuple[Dataset, Dataset]:
     """(train, test) CIFAR-10 datasets, normalized, with a random flip for training.
 
     With ``download`` torchvision fetches the official archive (where the
@@ -197,30 +221,38 @@ def load_cifar10(data_dir: str | Path, *, download: bool = False, skip_checksum:
         try:  # downloads, unpacks and checks the md5 sums when a file is missing or damaged
             CIFAR10(str(folder.parent), train=False, download=True)
         except Exception as exc:
-            raise ParallelxError(f"downloading CIFAR-10 into {folder.parent} failed ({_brief(exc)}); fetch "
-                                 "cifar-10-python.tar.gz elsewhere, unpack it there and drop --download") from None
+            raise ParallelxError(
+                f"downloading CIFAR-10 into {folder.parent} failed ({_brief(exc)}); fetch "
+                "cifar-10-python.tar.gz elsewhere, unpack it there and drop --download"
+            ) from None
     elif (folder / GENERATED_MARKER).exists() or skip_checksum:
         why = "generated data" if (folder / GENERATED_MARKER).exists() else "--skip-checksum"
         warn(f"{folder}: md5 check skipped ({why}); these are not the official CIFAR-10 files")
     else:
         _check_cifar10_md5(folder)
-    train_tf = transforms.Compose([transforms.RandomHorizontalFlip(), transforms.ToTensor(),
-                                   transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+    train_tf = transforms.Compose(
+        [transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)]
+    )
     test_tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     classes = _read_cifar10_meta(folder)
-    return (_read_cifar10_split(folder, CIFAR_TRAIN_FILES, classes, train_tf),
-            _read_cifar10_split(folder, CIFAR_TEST_FILES, classes, test_tf))
+    return (
+        _read_cifar10_split(folder, CIFAR_TRAIN_FILES, classes, train_tf),
+        _read_cifar10_split(folder, CIFAR_TEST_FILES, classes, test_tf),
+    )
 
 
 # ------------------------------------------------------------- Dogs vs Cats
 def _image_dir(data_dir: Path) -> Path:
     """Kaggle's layout is ``DIR/train/cat.0.jpg``; accept ``DIR/train`` too."""
     if not data_dir.exists():
-        raise ParallelxError(f"data directory {data_dir} does not exist; generate one with "
-                             f"`{MAKE_DATA} dogcat --out DIR`")
+        raise ParallelxError(
+            f"data directory {data_dir} does not exist; generate one with `{MAKE_DATA} dogcat --out DIR`"
+        )
     if not data_dir.is_dir():
-        raise ParallelxError(f"--data-dir {data_dir} is a file; expected the directory that holds Kaggle's "
-                             "train/ folder (or the images themselves)")
+        raise ParallelxError(
+            f"--data-dir {data_dir} is a file; expected the directory that holds Kaggle's "
+            "train/ folder (or the images themselves)"
+        )
     return data_dir / "train" if (data_dir / "train").is_dir() else data_dir
 
 
@@ -239,8 +271,10 @@ def _csv_label(text: str) -> int | None:
 
 def _read_csv_listing(csv_path: Path, images: Path) -> list[tuple[Path, int]]:
     if not csv_path.is_file():
-        raise ParallelxError(f"{csv_path} is not a file; expected a CSV with the columns filename,label (or no "
-                             "train.csv, to label by file name)")
+        raise ParallelxError(
+            f"{csv_path} is not a file; expected a CSV with the columns filename,label (or no "
+            "train.csv, to label by file name)"
+        )
     how = "expected a header line 'filename,label' and one line per image"
     try:
         # utf-8-sig: spreadsheet programs start their CSV files with a byte-order mark.
@@ -260,21 +294,27 @@ def _read_csv_listing(csv_path: Path, images: Path) -> list[tuple[Path, int]]:
     if header != ["filename", "label"]:
         raise ParallelxError(f"{csv_path}: expected the columns 'filename,label', found {','.join(header)}")
     if len(rows) == 1:
-        raise ParallelxError(f"{csv_path} lists no images (only its header); add a line 'filename,label' per image, "
-                             "or remove it to label by file name")
+        raise ParallelxError(
+            f"{csv_path} lists no images (only its header); add a line 'filename,label' per image, "
+            "or remove it to label by file name"
+        )
     pairs: list[tuple[Path, int]] = []
     lines: dict[str, list[int]] = {}
     for line, row in rows[1:]:
         if len(row) != 2:
-            raise ParallelxError(f"{csv_path}: not a readable CSV: line {line} has {len(row)} field(s) "
-                                 f"({','.join(row)}); expected 2, filename,label")
+            raise ParallelxError(
+                f"{csv_path}: not a readable CSV: line {line} has {len(row)} field(s) "
+                f"({','.join(row)}); expected 2, filename,label"
+            )
         name, label = row
         if not name:
             raise ParallelxError(f"{csv_path} line {line}: the filename is empty")
         rel = PurePosixPath(name.replace("\\", "/"))
         if rel.is_absolute() or ".." in rel.parts:
-            raise ParallelxError(f"{csv_path} line {line}: {name!r} is not a path inside {images}; "
-                                 "list file names relative to that folder")
+            raise ParallelxError(
+                f"{csv_path} line {line}: {name!r} is not a path inside {images}; "
+                "list file names relative to that folder"
+            )
         lab = _csv_label(label)
         if lab is None:
             raise ParallelxError(f"{csv_path} line {line}: label {label!r} for {name} is not 0/1 or cat/dog")
@@ -283,12 +323,16 @@ def _read_csv_listing(csv_path: Path, images: Path) -> list[tuple[Path, int]]:
     dups = {name: at for name, at in lines.items() if len(at) > 1}
     if dups:
         name, at = next(iter(dups.items()))
-        raise ParallelxError(f"{csv_path} lists {len(dups)} file(s) more than once, e.g. {name} on lines "
-                             f"{', '.join(map(str, at))}; each image must appear once")
+        raise ParallelxError(
+            f"{csv_path} lists {len(dups)} file(s) more than once, e.g. {name} on lines "
+            f"{', '.join(map(str, at))}; each image must appear once"
+        )
     absent = [p.name for p, _ in pairs if not p.is_file()]
     if absent:
-        raise ParallelxError(f"{csv_path} lists {len(absent)} file(s) missing from {images}, e.g. {absent[0]}; "
-                             "remove those lines or restore the files")
+        raise ParallelxError(
+            f"{csv_path} lists {len(absent)} file(s) missing from {images}, e.g. {absent[0]}; "
+            "remove those lines or restore the files"
+        )
     return pairs
 
 
@@ -320,11 +364,15 @@ def list_dogcat(data_dir: str | Path, *, warn_ignored: bool = False) -> tuple[li
                 else:
                     pairs.append((p, lab))
         if unnamed and pairs and warn_ignored:
-            warn(f"ignored {len(unnamed)} image file(s) in {images} whose names start with neither cat. nor dog. "
-                 f"(e.g. {unnamed[0]}); label them in a train.csv (filename,label) to use them")
+            warn(
+                f"ignored {len(unnamed)} image file(s) in {images} whose names start with neither cat. nor dog. "
+                f"(e.g. {unnamed[0]}); label them in a train.csv (filename,label) to use them"
+            )
     if not pairs:
-        raise ParallelxError(f"no images found in {images}: expected Kaggle names like cat.0.jpg and dog.0.jpg "
-                             "(or a train.csv with filename,label)")
+        raise ParallelxError(
+            f"no images found in {images}: expected Kaggle names like cat.0.jpg and dog.0.jpg "
+            "(or a train.csv with filename,label)"
+        )
     pairs.sort()
     return [p for p, _ in pairs], [lab for _, lab in pairs]
 
@@ -364,17 +412,23 @@ def scan_dogcat(data_dir: str | Path, *, threads: int | None = None) -> tuple[li
         ok = list(pool.map(is_decodable_image, files))
     bad = [p.name for p, good in zip(files, ok) if not good]
     if bad:
-        warn(f"skipped {len(bad)} unreadable image file(s) in {files[0].parent} (not an image, truncated or "
-             f"damaged): {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+        warn(
+            f"skipped {len(bad)} unreadable image file(s) in {files[0].parent} (not an image, truncated or "
+            f"damaged): {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        )
     good = [(p, lab) for (p, lab), keep in zip(zip(files, labels), ok) if keep]
     if not good:
-        raise ParallelxError(f"none of the {len(files)} image files in {files[0].parent} is readable "
-                             f"(e.g. {bad[0]}): every one fails to decode as an image")
+        raise ParallelxError(
+            f"none of the {len(files)} image files in {files[0].parent} is readable "
+            f"(e.g. {bad[0]}): every one fails to decode as an image"
+        )
     counts = Counter(lab for _, lab in good)
     for label, name in enumerate(DOGCAT_CLASSES):
         if counts[label] == 0:
-            warn(f"no readable {name} images among the {len(good)} in {files[0].parent}: "
-                 "the model can only learn to answer the other class")
+            warn(
+                f"no readable {name} images among the {len(good)} in {files[0].parent}: "
+                "the model can only learn to answer the other class"
+            )
     return [p for p, _ in good], [lab for _, lab in good]
 
 
@@ -413,8 +467,10 @@ class DogCatDataset(Dataset):
                 img.draft("RGB", (self.image_size, self.image_size))
                 return img.convert("RGB")
         except Exception as exc:
-            raise ParallelxError(f"cannot decode {path} ({_brief(exc)}); it decoded when the data was scanned: "
-                                 "was it changed during training?") from None
+            raise ParallelxError(
+                f"cannot decode {path} ({_brief(exc)}); it decoded when the data was scanned: "
+                "was it changed during training?"
+            ) from None
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.transform(self.load_image(index)), self.labels[index]
@@ -426,19 +482,24 @@ def split_indices(n: int, val_fraction: float = 0.2, seed: int = 0) -> tuple[lis
         raise ParallelxError(f"--val-fraction must be strictly between 0 and 1, got {val_fraction}")
     n_val = max(1, round(n * val_fraction))
     if n - n_val < 1:
-        raise ParallelxError(f"--val-fraction {val_fraction} of {n} image(s) leaves no image to train on "
-                             f"({n_val} for val); lower --val-fraction or add images (at least 2 are needed)")
+        raise ParallelxError(
+            f"--val-fraction {val_fraction} of {n} image(s) leaves no image to train on "
+            f"({n_val} for val); lower --val-fraction or add images (at least 2 are needed)"
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
-def load_dogcat(data_dir: str | Path, image_size: int, *, val_fraction: float = 0.2,
-                seed: int = 0, threads: int | None = None) -> tuple[Dataset, Dataset]:
+def load_dogcat(
+    data_dir: str | Path, image_size: int, *, val_fraction: float = 0.2, seed: int = 0, threads: int | None = None
+) -> tuple[Dataset, Dataset]:
     """(train, val) Dogs-vs-Cats datasets: a ``val_fraction`` split with a fixed seed."""
     files, labels = scan_dogcat(data_dir, threads=threads)
     train_idx, val_idx = split_indices(len(files), val_fraction, seed)
-    return (Subset(DogCatDataset(files, labels, image_size, train=True), train_idx),
-            Subset(DogCatDataset(files, labels, image_size, train=False), val_idx))
+    return (
+        Subset(DogCatDataset(files, labels, image_size, train=True), train_idx),
+        Subset(DogCatDataset(files, labels, image_size, train=False), val_idx),
+    )
 
 
 # --------------------------------------------- reproducible augmentation

@@ -41,8 +41,14 @@ from parallelx.utils import threads_per_process
 from .common import base_parser, fraction, validate
 from .data import list_dogcat, load_dogcat, split_indices
 from .engine import FitConfig, fit_elastic
-from .models import (VGG16_MAX_IMAGE_SIZE, VGG16_MIN_IMAGE_SIZE, check_vgg_image_size, imagenet_vgg16_state,
-                     read_vgg16_weights, vgg16_for_dogcat)
+from .models import (
+    VGG16_MAX_IMAGE_SIZE,
+    VGG16_MIN_IMAGE_SIZE,
+    check_vgg_image_size,
+    imagenet_vgg16_state,
+    read_vgg16_weights,
+    vgg16_for_dogcat,
+)
 
 
 def image_size(text: str) -> int:
@@ -59,14 +65,23 @@ def image_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = base_parser(f"python -m {__package__}.dogcat", "Dogs-vs-Cats with VGG16", epochs=3, batch_size=16,
-                         lr=0.001)
-    parser.add_argument("--image-size", type=image_size, default=224, metavar="SIZE",
-                        help=f"images are resized to SIZE x SIZE, {VGG16_MIN_IMAGE_SIZE} to {VGG16_MAX_IMAGE_SIZE}")
+    parser = base_parser(
+        f"python -m {__package__}.dogcat", "Dogs-vs-Cats with VGG16", epochs=3, batch_size=16, lr=0.001
+    )
+    parser.add_argument(
+        "--image-size",
+        type=image_size,
+        default=224,
+        metavar="SIZE",
+        help=f"images are resized to SIZE x SIZE, {VGG16_MIN_IMAGE_SIZE} to {VGG16_MAX_IMAGE_SIZE}",
+    )
     parser.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
-    parser.add_argument("--weights", type=Path, default=None,
-                        help="start from a local VGG16 state dict (default: torchvision's random initialisation, "
-                             "unless --pretrained)")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="start from a local VGG16 state dict (default: torchvision's random initialisation, unless --pretrained)",
+    )
     parser.add_argument("--freeze-features", action="store_true", help="train the classifier only")
     parser.add_argument("--val-fraction", type=fraction, default=0.2, help="share of the images that validates")
     return parser
@@ -99,8 +114,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with backend:  # released on every rank when anything below raises
         parallelx.seed_everything(args.seed)  # same initial weights on every rank
-        train_set, val_set = load_dogcat(args.data_dir, args.image_size, val_fraction=args.val_fraction,
-                                         seed=args.seed, threads=threads_per_process(backend.local_world_size))
+        train_set, val_set = load_dogcat(
+            args.data_dir,
+            args.image_size,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            threads=threads_per_process(backend.local_world_size),
+        )
 
         def build(again: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
             # Called again in an elastic run that lost a rank (horovodrun --min-np):
@@ -112,8 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             trainable = [p for p in model.parameters() if p.requires_grad]
             return model, torch.optim.SGD(trainable, lr=args.lr, momentum=args.momentum)
 
-        fit_elastic(backend, build, train_set, val_set, FitConfig.from_args(args),
-                    run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size})
+        fit_elastic(
+            backend,
+            build,
+            train_set,
+            val_set,
+            FitConfig.from_args(args),
+            run_info={"recipe": "dogcat", "model": "vgg16", "image_size": args.image_size},
+        )
     return 0
 
 

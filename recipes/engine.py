@@ -44,12 +44,33 @@ from .epoch import EpochProgress, StepHook, _loader, _sharded, default_num_worke
 from .history import epoch_row, final_metrics, write_history, write_outputs
 from .resume import RunCheckpoints, RunState, checkpoint_path, preempted
 
-__all__ = ["SCHEDULES", "EpochProgress", "FitConfig", "RunCheckpoints", "RunState", "StepHook", "checkpoint_path",
-           "default_num_workers", "evaluate_state_dict", "fit", "fit_elastic", "make_scheduler", "run_epoch"]
+__all__ = [
+    "SCHEDULES",
+    "EpochProgress",
+    "FitConfig",
+    "RunCheckpoints",
+    "RunState",
+    "StepHook",
+    "checkpoint_path",
+    "default_num_workers",
+    "evaluate_state_dict",
+    "fit",
+    "fit_elastic",
+    "make_scheduler",
+    "run_epoch",
+]
 
 
-def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, val_set: Dataset,
-        cfg: FitConfig, *, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+def fit(
+    backend: Backend,
+    model: nn.Module,
+    optimizer: Any,
+    train_set: Dataset,
+    val_set: Dataset,
+    cfg: FitConfig,
+    *,
+    run_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train for ``cfg.epochs``; write ``best.pth``, ``last.pth``, ``history.csv``,
     ``metrics.json`` and ``training_results.png`` into ``cfg.out_dir``, and,
     with ``cfg.checkpointing``, training-state checkpoints under
@@ -62,15 +83,21 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     # Measured before a checkpoint moves the sampler into the middle of an epoch.
     micro = len(train_loader) if cfg.max_steps is None else min(len(train_loader), cfg.max_steps)
     steps_per_epoch = math.ceil(micro / backend.options.accumulate)
-    scheduler = make_scheduler(optimizer, cfg.lr_schedule, steps=steps_per_epoch * cfg.epochs,
-                               warmup_steps=round(cfg.warmup_epochs * steps_per_epoch))
+    scheduler = make_scheduler(
+        optimizer,
+        cfg.lr_schedule,
+        steps=steps_per_epoch * cfg.epochs,
+        warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+    )
     out = Path(cfg.out_dir)
     _make_out_dir(backend, out)
     recipe = str((run_info or {}).get("recipe", ""))
     since = time.perf_counter()
-    backend.print(f"backend={backend.name} world_size={backend.world_size} device={backend.device} "
-                  f"train={len(train_set)} val={len(val_set)} batch/process={cfg.batch_size} "
-                  f"workers/process={train_loader.num_workers} {_loop_summary(backend, cfg)}")
+    backend.print(
+        f"backend={backend.name} world_size={backend.world_size} device={backend.device} "
+        f"train={len(train_set)} val={len(val_set)} batch/process={cfg.batch_size} "
+        f"workers/process={train_loader.num_workers} {_loop_summary(backend, cfg)}"
+    )
     checkpoints = RunCheckpoints(backend, out, recipe, model, optimizer, scheduler, keep=cfg.keep_checkpoints)
     run = RunState() if cfg.resume is None else checkpoints.resume(cfg.resume, cfg.epochs, sampler)
     preempt = Preemption()
@@ -93,17 +120,30 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
             backend.print(f"Epoch {epoch}/{cfg.epochs}\n" + "-" * 10)
             # run_epoch is looked up in this module at every call, so that a
             # wrapper assigned to recipes.engine.run_epoch takes effect here.
-            tr = run_epoch(backend, model, train_loader, criterion, optimizer=optimizer, scheduler=scheduler,
-                           desc=f"train {epoch}", max_steps=cfg.max_steps, progress=run.progress,
-                           on_step=on_step, epoch=epoch)
+            tr = run_epoch(
+                backend,
+                model,
+                train_loader,
+                criterion,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                desc=f"train {epoch}",
+                max_steps=cfg.max_steps,
+                progress=run.progress,
+                on_step=on_step,
+                epoch=epoch,
+            )
             if tr.get("stopped"):
                 return preempted(backend, preempt, run)
-            backend.print(f"train Loss: {tr['loss']:.4f} Acc: {tr['acc']:.4f} lr: {tr['lr']:.6g} "
-                          f"grad norm: {tr['grad_norm']:.4f}"
-                          + (f" skipped steps: {tr['skipped']}" if tr["skipped"] else ""))
+            backend.print(
+                f"train Loss: {tr['loss']:.4f} Acc: {tr['acc']:.4f} lr: {tr['lr']:.6g} "
+                f"grad norm: {tr['grad_norm']:.4f}" + (f" skipped steps: {tr['skipped']}" if tr["skipped"] else "")
+            )
             if not math.isfinite(tr["loss"]):  # all-reduced: every rank stops together
-                raise ParallelxError(f"the training loss is {tr['loss']} in epoch {epoch}: the weights diverged; "
-                                     "lower --lr and run again")
+                raise ParallelxError(
+                    f"the training loss is {tr['loss']} in epoch {epoch}: the weights diverged; "
+                    "lower --lr and run again"
+                )
             va = run_epoch(backend, model, val_loader, criterion, desc=f"val {epoch}")
             backend.print(f"val Loss: {va['loss']:.4f} Acc: {va['acc']:.4f}")
             run.history.append(epoch_row(epoch, tr, va))
@@ -123,8 +163,9 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     # The weights after the last step, as a plain state_dict (collective, like best.pth).
     backend.save(model, out / "last.pth")
     total = time.perf_counter() - since
-    metrics = final_metrics(backend, cfg, run.history, best_acc=run.best_acc, best_epoch=run.best_epoch,
-                            total_s=total, run_info=run_info)
+    metrics = final_metrics(
+        backend, cfg, run.history, best_acc=run.best_acc, best_epoch=run.best_epoch, total_s=total, run_info=run_info
+    )
     if backend.is_main():
         write_outputs(out, metrics, run.history)
     backend.print(f"Training complete in {int(total // 60)}m {int(total % 60)}s")
@@ -134,8 +175,15 @@ def fit(backend: Backend, model: nn.Module, optimizer: Any, train_set: Dataset, 
     return metrics
 
 
-def fit_elastic(backend: Backend, build: Callable[[bool], tuple[nn.Module, Any]], train_set: Dataset,
-                val_set: Dataset, cfg: FitConfig, *, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+def fit_elastic(
+    backend: Backend,
+    build: Callable[[bool], tuple[nn.Module, Any]],
+    train_set: Dataset,
+    val_set: Dataset,
+    cfg: FitConfig,
+    *,
+    run_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """:func:`fit` through ``backend.run_elastic``: ``build(again)`` makes the
     model and its optimizer (unwrapped; ``again`` is True on a call after the
     first), which ``backend.setup`` wraps.  Returns what :func:`fit` returned."""
@@ -148,16 +196,17 @@ def fit_elastic(backend: Backend, build: Callable[[bool], tuple[nn.Module, Any]]
         if again:
             parallelx.seed_everything(cfg.seed)
         model, optimizer = backend.setup(*build(again))
-        return fit(backend, model, optimizer, train_set, val_set, cfg.resumed() if again else cfg,
-                   run_info=run_info)
+        return fit(backend, model, optimizer, train_set, val_set, cfg.resumed() if again else cfg, run_info=run_info)
 
     return backend.run_elastic(train)
 
 
 def _loop_summary(backend: Backend, cfg: FitConfig) -> str:
     o = backend.options
-    return (f"accumulate={o.accumulate} clip_grad_norm={o.clip_grad_norm} precision={o.precision} "
-            f"grad_compression={o.grad_compression} lr_schedule={cfg.lr_schedule} warmup_epochs={cfg.warmup_epochs}")
+    return (
+        f"accumulate={o.accumulate} clip_grad_norm={o.clip_grad_norm} precision={o.precision} "
+        f"grad_compression={o.grad_compression} lr_schedule={cfg.lr_schedule} warmup_epochs={cfg.warmup_epochs}"
+    )
 
 
 def _make_out_dir(backend: Backend, out: Path) -> None:

@@ -46,8 +46,10 @@ def _loader(backend: Backend, dataset: Dataset, cfg: FitConfig, *, train: bool, 
     workers = default_num_workers(backend.local_world_size) if cfg.num_workers is None else cfg.num_workers
     share = threads_per_process(backend.local_world_size)
     if workers > share:
-        warn(f"--num-workers {workers} is more than this process's share of the CPU cores ({share}); "
-             "the extra workers only compete for them")
+        warn(
+            f"--num-workers {workers} is more than this process's share of the CPU cores ({share}); "
+            "the extra workers only compete for them"
+        )
     sampler = backend.make_sampler(dataset, shuffle=train, seed=cfg.seed)
     return DataLoader(
         SeededSamples(dataset, cfg.seed) if keyed else dataset,
@@ -99,10 +101,20 @@ def _own_process_group(worker_id: int) -> None:
     os.setpgid(0, 0)
 
 
-def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion: Callable[..., torch.Tensor], *,
-              optimizer: Any = None, scheduler: Any = None, desc: str = "",
-              max_steps: int | None = None, progress: EpochProgress | None = None,
-              on_step: StepHook | None = None, epoch: int = 0) -> dict[str, Any]:
+def run_epoch(
+    backend: Backend,
+    model: nn.Module,
+    loader: DataLoader,
+    criterion: Callable[..., torch.Tensor],
+    *,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    desc: str = "",
+    max_steps: int | None = None,
+    progress: EpochProgress | None = None,
+    on_step: StepHook | None = None,
+    epoch: int = 0,
+) -> dict[str, Any]:
     """One pass over ``loader``: trains when ``optimizer`` is given, else
     evaluates.  Returns the global ``loss``, ``acc``, ``count`` and
     ``seconds``; training adds ``lr`` (after the pass), ``grad_norm`` (mean
@@ -130,16 +142,22 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
     # Training goes through backend.batches: accumulation windows, the same
     # number of batches on every rank; evaluation needs neither.
     batches = backend.batches(loader, limit=steps) if train else itertools.islice(loader, steps)
-    bar = tqdm(batches, total=steps, desc=desc, disable=not shows_bar, leave=False, dynamic_ncols=True,
-               mininterval=1.0)
+    bar = tqdm(batches, total=steps, desc=desc, disable=not shows_bar, leave=False, dynamic_ncols=True, mininterval=1.0)
     norm_sum = torch.tensor(p.norm_sum, dtype=torch.float32, device=backend.device)
     optimizer_steps, skipped, stopped = p.optimizer_steps, p.skipped, False
 
     def snapshot() -> EpochProgress:  # host syncs: only when a checkpoint is written
-        return EpochProgress(batches=done + step + 1, optimizer_steps=optimizer_steps, skipped=skipped,
-                             norm_sum=float(norm_sum), loss_sum=float(sums.loss_sum), correct=int(sums.correct),
-                             count=int(sums.count), seconds=p.seconds + time.perf_counter() - start,
-                             pass_start=done)
+        return EpochProgress(
+            batches=done + step + 1,
+            optimizer_steps=optimizer_steps,
+            skipped=skipped,
+            norm_sum=float(norm_sum),
+            loss_sum=float(sums.loss_sum),
+            correct=int(sums.correct),
+            count=int(sums.count),
+            seconds=p.seconds + time.perf_counter() - start,
+            pass_start=done,
+        )
 
     step = -1
     try:
@@ -176,8 +194,12 @@ def run_epoch(backend: Backend, model: nn.Module, loader: DataLoader, criterion:
     result = sums.compute(backend)
     result["seconds"] = p.seconds + time.perf_counter() - start
     if train:
-        result.update(lr=optimizer.param_groups[0]["lr"], steps=optimizer_steps, skipped=skipped,
-                      grad_norm=float(norm_sum) / max(1, optimizer_steps))
+        result.update(
+            lr=optimizer.param_groups[0]["lr"],
+            steps=optimizer_steps,
+            skipped=skipped,
+            grad_norm=float(norm_sum) / max(1, optimizer_steps),
+        )
     return result
 
 

@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
                     out = model(x)
                     val.update(criterion(out.float(), y), out.argmax(1) == y)
             t, v = train.compute(backend), val.compute(backend)  # collectives: every rank calls them
-            backend.print(f"epoch {epoch}/{args.epochs}: train loss {t['loss']:.4f} | val loss {v['loss']:.4f} "
-                          f"acc {v['acc']:.4f} ({v['correct']}/{v['count']})")
+            backend.print(
+                f"epoch {epoch}/{args.epochs}: train loss {t['loss']:.4f} | val loss {v['loss']:.4f} "
+                f"acc {v['acc']:.4f} ({v['correct']}/{v['count']})"
+            )
 
         # Every rank calls save (gathering sharded state is collective); rank 0 writes the file.
         backend.save({"model": model, "optimizer": optimizer, "epochs": args.epochs}, args.out)

@@ -18,22 +18,41 @@ from .config import FitConfig
 def epoch_row(epoch: int, train: dict[str, Any], val: dict[str, Any]) -> dict[str, float]:
     """One line of ``history.csv``, from the two passes' results (``run_epoch``)."""
     return {
-        "epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"], "val_loss": val["loss"],
-        "val_acc": val["acc"], "epoch_time_s": train["seconds"] + val["seconds"],
-        "train_images_per_s": train["count"] / train["seconds"], "val_images_per_s": val["count"] / val["seconds"],
-        "lr": train["lr"], "grad_norm": train["grad_norm"], "optimizer_steps": train["steps"],
+        "epoch": epoch,
+        "train_loss": train["loss"],
+        "train_acc": train["acc"],
+        "val_loss": val["loss"],
+        "val_acc": val["acc"],
+        "epoch_time_s": train["seconds"] + val["seconds"],
+        "train_images_per_s": train["count"] / train["seconds"],
+        "val_images_per_s": val["count"] / val["seconds"],
+        "lr": train["lr"],
+        "grad_norm": train["grad_norm"],
+        "optimizer_steps": train["steps"],
         "skipped_steps": train["skipped"],
     }
 
 
-def final_metrics(backend: Backend, cfg: FitConfig, history: list[dict[str, float]], *, best_acc: float,
-                  best_epoch: int, total_s: float, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+def final_metrics(
+    backend: Backend,
+    cfg: FitConfig,
+    history: list[dict[str, float]],
+    *,
+    best_acc: float,
+    best_epoch: int,
+    total_s: float,
+    run_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What ``metrics.json`` holds (and ``fit`` returns): best and final val
     figures, time, backend, world size, the configuration and loop options."""
     return {
-        "best_val_acc": best_acc, "best_epoch": best_epoch,
-        "final_val_loss": history[-1]["val_loss"], "final_val_acc": history[-1]["val_acc"],
-        "total_time_s": total_s, "backend": backend.name, "world_size": backend.world_size,
+        "best_val_acc": best_acc,
+        "best_epoch": best_epoch,
+        "final_val_loss": history[-1]["val_loss"],
+        "final_val_acc": history[-1]["val_acc"],
+        "total_time_s": total_s,
+        "backend": backend.name,
+        "world_size": backend.world_size,
         "train_images_per_s": sum(h["train_images_per_s"] for h in history) / len(history),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "loop": asdict(backend.options),

@@ -26,11 +26,16 @@ class LeNet(nn.Module):
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 6, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(3, 6, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(inplace=True),
-                                        nn.Linear(120, num_classes))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(inplace=True), nn.Linear(120, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -38,12 +43,16 @@ class LeNet(nn.Module):
 
 def check_vgg_image_size(image_size: int) -> None:
     if image_size < VGG16_MIN_IMAGE_SIZE:
-        raise ParallelxError(f"--image-size {image_size} is too small for VGG16, which halves the image 5 times; "
-                             f"use at least {VGG16_MIN_IMAGE_SIZE} (224 is the size it was trained at)")
+        raise ParallelxError(
+            f"--image-size {image_size} is too small for VGG16, which halves the image 5 times; "
+            f"use at least {VGG16_MIN_IMAGE_SIZE} (224 is the size it was trained at)"
+        )
     if image_size > VGG16_MAX_IMAGE_SIZE:
-        raise ParallelxError(f"--image-size {image_size} is too large: a batch of 4 needs about "
-                             f"{_activation_gib(image_size, 4):.0f} GiB for VGG16's activations; use at most "
-                             f"{VGG16_MAX_IMAGE_SIZE} (224 is the size it was trained at)")
+        raise ParallelxError(
+            f"--image-size {image_size} is too large: a batch of 4 needs about "
+            f"{_activation_gib(image_size, 4):.0f} GiB for VGG16's activations; use at most "
+            f"{VGG16_MAX_IMAGE_SIZE} (224 is the size it was trained at)"
+        )
 
 
 def _activation_gib(image_size: int, batch: int) -> float:
@@ -84,28 +93,34 @@ def check_vgg16_state(state: object, source: str) -> dict[str, torch.Tensor]:
         raise ParallelxError(f"{source} is not a state dict: entries {_few(not_tensors)} are not named tensors; {how}")
     state = dict(state)
     if state and all(k.startswith("module.") for k in state):  # saved from a DataParallel/DDP wrapper
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     head = state.get("classifier.6.weight")
     if head is None:
-        raise ParallelxError(f"{source} is not a VGG16 state dict (no classifier.6.weight; its keys look like "
-                             f"{_few(state) or 'nothing: it is empty'}); {how}")
+        raise ParallelxError(
+            f"{source} is not a VGG16 state dict (no classifier.6.weight; its keys look like "
+            f"{_few(state) or 'nothing: it is empty'}); {how}"
+        )
     reference = _vgg16_shapes()
     missing, unexpected = reference.keys() - state.keys(), state.keys() - reference.keys()
     if missing or unexpected:
-        parts = ([f"missing {_few(missing)}"] if missing else []) + ([f"unexpected {_few(unexpected)}"]
-                                                                     if unexpected else [])
-        raise ParallelxError(f"{source} is not a VGG16 state dict ({'; '.join(parts)}): another model's weights? "
-                             f"{how}")
+        parts = ([f"missing {_few(missing)}"] if missing else []) + (
+            [f"unexpected {_few(unexpected)}"] if unexpected else []
+        )
+        raise ParallelxError(f"{source} is not a VGG16 state dict ({'; '.join(parts)}): another model's weights? {how}")
     classes = head.shape[0] if head.dim() == 2 else -1
     for key, shape in reference.items():
         want = (classes, *shape[1:]) if key.startswith("classifier.6.") else shape
         if tuple(state[key].shape) != want:
-            raise ParallelxError(f"{source} does not fit VGG16: {key} has shape {tuple(state[key].shape)}, "
-                                 f"expected {want}; another model's weights?")
+            raise ParallelxError(
+                f"{source} does not fit VGG16: {key} has shape {tuple(state[key].shape)}, "
+                f"expected {want}; another model's weights?"
+            )
     broken = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if broken:
-        raise ParallelxError(f"{source} holds nan or inf values (in {_few(broken)}): training from them gives "
-                             "nan losses; use the file of a run that did not diverge")
+        raise ParallelxError(
+            f"{source} holds nan or inf values (in {_few(broken)}): training from them gives "
+            "nan losses; use the file of a run that did not diverge"
+        )
     return state
 
 
@@ -123,9 +138,11 @@ def read_vgg16_weights(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # garbage, truncated, pickled objects refused by weights_only
-        raise ParallelxError(f"--weights {p} is not a readable PyTorch file ({_first_sentence(exc)}); expected a "
-                             "state dict written by torch.save: the file may be truncated, of another format, or "
-                             "hold pickled Python objects, which safe loading refuses") from None
+        raise ParallelxError(
+            f"--weights {p} is not a readable PyTorch file ({_first_sentence(exc)}); expected a "
+            "state dict written by torch.save: the file may be truncated, of another format, or "
+            "hold pickled Python objects, which safe loading refuses"
+        ) from None
     return check_vgg16_state(state, f"--weights {p}")
 
 
@@ -145,13 +162,20 @@ def imagenet_vgg16_state() -> dict[str, torch.Tensor]:
     try:
         return torch.hub.load_state_dict_from_url(url, progress=True, check_hash=True)
     except Exception as exc:  # offline, proxy, disk: all end the same way
-        raise ParallelxError(f"could not download the ImageNet VGG16 weights from {url} "
-                             f"({exc.__class__.__name__}: {exc}); download that file where the network allows "
-                             "and pass --weights PATH") from None
+        raise ParallelxError(
+            f"could not download the ImageNet VGG16 weights from {url} "
+            f"({exc.__class__.__name__}: {exc}); download that file where the network allows "
+            "and pass --weights PATH"
+        ) from None
 
 
-def vgg16_for_dogcat(*, pretrained: bool = False, weights: str | Path | Mapping[str, torch.Tensor] | None = None,
-                     freeze_features: bool = False, num_classes: int = 2) -> nn.Module:
+def vgg16_for_dogcat(
+    *,
+    pretrained: bool = False,
+    weights: str | Path | Mapping[str, torch.Tensor] | None = None,
+    freeze_features: bool = False,
+    num_classes: int = 2,
+) -> nn.Module:
     """torchvision's VGG16 with its last classifier layer replaced by a
     ``num_classes`` one.
 

@@ -50,15 +50,35 @@ class RunCheckpoints:
         """A training-state checkpoint (collective)."""
         backend = self.backend
         sums = backend.all_gather_object([progress.loss_sum, progress.correct, progress.count])
-        extra = {"recipe": self.recipe, "history": run.history, "best_acc": run.best_acc, "sums": sums,
-                 "norm_sum": progress.norm_sum, "seconds": progress.seconds}
-        counters = {"epoch": run.epoch, "batches": progress.batches, "optimizer_steps": progress.optimizer_steps,
-                    "skipped": progress.skipped, "global_step": run.global_step, "best_epoch": run.best_epoch}
-        path = parallelx.save_training_state(backend, self.out, step=run.global_step, model=self.model,
-                                             optimizer=self.optimizer, scheduler=self.scheduler,
-                                             sampler=sampler_state, counters=counters, keep=self.keep, extra=extra)
-        backend.print(f"checkpoint {path}: epoch {run.epoch}, micro-batch {progress.batches}, "
-                      f"step {run.global_step}")
+        extra = {
+            "recipe": self.recipe,
+            "history": run.history,
+            "best_acc": run.best_acc,
+            "sums": sums,
+            "norm_sum": progress.norm_sum,
+            "seconds": progress.seconds,
+        }
+        counters = {
+            "epoch": run.epoch,
+            "batches": progress.batches,
+            "optimizer_steps": progress.optimizer_steps,
+            "skipped": progress.skipped,
+            "global_step": run.global_step,
+            "best_epoch": run.best_epoch,
+        }
+        path = parallelx.save_training_state(
+            backend,
+            self.out,
+            step=run.global_step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=sampler_state,
+            counters=counters,
+            keep=self.keep,
+            extra=extra,
+        )
+        backend.print(f"checkpoint {path}: epoch {run.epoch}, micro-batch {progress.batches}, step {run.global_step}")
         backend.elastic_commit()  # an elastic run that loses a rank goes back to this checkpoint
 
     def resume(self, resume: str, epochs: int, sampler: ShardedSampler) -> RunState:
@@ -76,18 +96,24 @@ class RunCheckpoints:
         if error is not None:
             raise ParallelxError(error)
         if found is None:
-            backend.print(f"--resume auto: no checkpoint in {out / parallelx.trainstate.SUBDIR} yet; starting from "
-                          "the beginning")
+            backend.print(
+                f"--resume auto: no checkpoint in {out / parallelx.trainstate.SUBDIR} yet; starting from the beginning"
+            )
             return RunState()
-        info = parallelx.load_training_state(backend, found, model=self.model, optimizer=self.optimizer,
-                                             scheduler=self.scheduler, sampler=sampler)
+        info = parallelx.load_training_state(
+            backend, found, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, sampler=sampler
+        )
         extra, c, meta = info["extra"], info["counters"], info["meta"]
         if not isinstance(extra, dict) or "sums" not in extra:
-            raise ParallelxError(f"checkpoint {found} was not written by a recipe (no loop state in it); "
-                                 "resume recipes from their own checkpoints")
+            raise ParallelxError(
+                f"checkpoint {found} was not written by a recipe (no loop state in it); "
+                "resume recipes from their own checkpoints"
+            )
         if extra.get("recipe") != recipe:
-            raise ParallelxError(f"checkpoint {found} is of the {extra.get('recipe')!r} recipe, this is "
-                                 f"{recipe!r}; resume a run with the recipe that wrote it")
+            raise ParallelxError(
+                f"checkpoint {found} is of the {extra.get('recipe')!r} recipe, this is "
+                f"{recipe!r}; resume a run with the recipe that wrote it"
+            )
         sums = extra["sums"]
         if len(sums) == backend.world_size:
             loss_sum, correct, count = sums[backend.rank]
@@ -95,18 +121,35 @@ class RunCheckpoints:
             loss_sum = sum(float(s[0]) for s in sums) if backend.is_main() else 0.0
             correct = sum(int(s[1]) for s in sums) if backend.is_main() else 0
             count = sum(int(s[2]) for s in sums) if backend.is_main() else 0
-        progress = EpochProgress(batches=c["batches"], optimizer_steps=c["optimizer_steps"], skipped=c["skipped"],
-                                 norm_sum=float(extra["norm_sum"]), loss_sum=float(loss_sum), correct=int(correct),
-                                 count=int(count), seconds=float(extra["seconds"]))
-        run = RunState(epoch=c["epoch"], progress=progress, global_step=c["global_step"],
-                       history=[dict(h) for h in extra["history"]], best_acc=float(extra["best_acc"]),
-                       best_epoch=c["best_epoch"])
-        where = (f"epoch {run.epoch}, after micro-batch {progress.batches} of it" if progress.batches
-                 else f"the start of epoch {run.epoch}")
+        progress = EpochProgress(
+            batches=c["batches"],
+            optimizer_steps=c["optimizer_steps"],
+            skipped=c["skipped"],
+            norm_sum=float(extra["norm_sum"]),
+            loss_sum=float(loss_sum),
+            correct=int(correct),
+            count=int(count),
+            seconds=float(extra["seconds"]),
+        )
+        run = RunState(
+            epoch=c["epoch"],
+            progress=progress,
+            global_step=c["global_step"],
+            history=[dict(h) for h in extra["history"]],
+            best_acc=float(extra["best_acc"]),
+            best_epoch=c["best_epoch"],
+        )
+        where = (
+            f"epoch {run.epoch}, after micro-batch {progress.batches} of it"
+            if progress.batches
+            else f"the start of epoch {run.epoch}"
+        )
         if run.epoch > epochs:
             where = f"the end of training (all {epochs} epochs done)"
-        backend.print(f"resuming from {found}: {where}, optimizer step {run.global_step} (written by "
-                      f"{meta['backend']} with {meta['world_size']} process(es))")
+        backend.print(
+            f"resuming from {found}: {where}, optimizer step {run.global_step} (written by "
+            f"{meta['backend']} with {meta['world_size']} process(es))"
+        )
         return run
 
 
@@ -121,16 +164,20 @@ def checkpoint_path(resume: str | None, out: Path) -> Path | None:
         return path
     latest = parallelx.latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
-        raise ParallelxError(f"--resume {path}: no checkpoint there (expected a checkpoint directory holding "
-                             f"{parallelx.trainstate.STATE_FILE}, or an --out-dir with "
-                             f"{parallelx.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists")
+        raise ParallelxError(
+            f"--resume {path}: no checkpoint there (expected a checkpoint directory holding "
+            f"{parallelx.trainstate.STATE_FILE}, or an --out-dir with "
+            f"{parallelx.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists"
+        )
     return latest
 
 
 def preempted(backend: Backend, preempt: Preemption, run: RunState) -> dict[str, Any]:
     """End a run that SIGTERM (here or on another rank) stopped after its checkpoint: what ``fit`` returns then."""
     why = preempt.signal.name if preempt.signal is not None else "a stop request on another rank"
-    backend.print(f"preempted ({why}): checkpoint written at epoch {run.epoch}, step {run.global_step}; "
-                  "run the same command with --resume auto to continue")
+    backend.print(
+        f"preempted ({why}): checkpoint written at epoch {run.epoch}, step {run.global_step}; "
+        "run the same command with --resume auto to continue"
+    )
     backend.barrier()
     return {"preempted": True, "epoch": run.epoch, "global_step": run.global_step}

@@ -85,8 +85,20 @@ def cache_dir(gpu: bool) -> Path:
 def build(dest: Path, gpu: bool) -> Path:
     with tempfile.TemporaryDirectory(prefix="hvd-build-") as tmp:
         tmp_path = Path(tmp)
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"horovod=={HOROVOD_VERSION}", "-d", str(tmp_path)])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"horovod=={HOROVOD_VERSION}",
+                "-d",
+                str(tmp_path),
+            ]
+        )
         sdist = next(tmp_path.glob("horovod-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp_path, filter="data")
@@ -108,8 +120,10 @@ def build(dest: Path, gpu: bool) -> Path:
             env.setdefault("HOROVOD_GPU_OPERATIONS", "NCCL")
         wheel_dir = tmp_path / "wheel"
         # --no-build-isolation: Horovod's build imports the torch it builds against.
-        run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-             str(src), "-w", str(wheel_dir)], env=env)
+        run(
+            [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", str(src), "-w", str(wheel_dir)],
+            env=env,
+        )
         wheel = next(wheel_dir.glob("horovod-*.whl"))
         dest.mkdir(parents=True, exist_ok=True)
         final = dest / wheel.name

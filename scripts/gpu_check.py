@@ -25,21 +25,41 @@ from gpu_check.workers import build_horovod, sync_worker
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=ABOUT.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU mode: everything except what needs CUDA (CI runs this)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu-report"),
-                        help="where report.md and summary.json go (default $OUT, else gpu-report/)")
-    parser.add_argument("--work", default=None, help="scratch folder for data, runs and logs, kept afterwards "
-                                                     "(default: a temporary one, its logs packed beside the report)")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help=f"Unix time by which to finish (default: {BUDGET_S:.0f}s from now)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="processes per multi-process launch (default: the GPUs; 2 in the dry run)")
-    parser.add_argument("--only", type=lambda s: s.split(","), default=list(SECTIONS),
-                        help=f"comma-separated sections to run ({','.join(SECTIONS)})")
-    parser.add_argument("--wheels", type=Path, default=None,
-                        help="install these carried wheels first (gpu_check.sh: gpu-wheels/); Horovod's sdist there "
-                             "is built with NCCL")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU mode: everything except what needs CUDA (CI runs this)"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(ROOT / "gpu-report"),
+        help="where report.md and summary.json go (default $OUT, else gpu-report/)",
+    )
+    parser.add_argument(
+        "--work",
+        default=None,
+        help="scratch folder for data, runs and logs, kept afterwards "
+        "(default: a temporary one, its logs packed beside the report)",
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=None, help=f"Unix time by which to finish (default: {BUDGET_S:.0f}s from now)"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes per multi-process launch (default: the GPUs; 2 in the dry run)",
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=list(SECTIONS),
+        help=f"comma-separated sections to run ({','.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--wheels",
+        type=Path,
+        default=None,
+        help="install these carried wheels first (gpu_check.sh: gpu-wheels/); Horovod's sdist there is built with NCCL",
+    )
     parser.add_argument("--site", type=Path, default=Path("gpu-site"), help="where --wheels go (default gpu-site/)")
     for hidden in ("--plan", "--build-horovod", "--wheel-dir"):  # the workers'
         parser.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
@@ -68,21 +88,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         import parallelx  # noqa: F401
     except ImportError as exc:
-        print(f"error: parallelx is not importable with {sys.executable} ({exc}); on the GPU machine run "
-              "`bash scripts/gpu_check.sh`, here `make setup`", file=sys.stderr)
+        print(
+            f"error: parallelx is not importable with {sys.executable} ({exc}); on the GPU machine run "
+            "`bash scripts/gpu_check.sh`, here `make setup`",
+            file=sys.stderr,
+        )
         if installed is not None and installed.status == FAILED:
             print(f"the carried wheels did not install: {installed.detail}\n{installed.log or ''}", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
-        print("error: no CUDA device is visible; on a machine without one run the CPU mode: "
-              "scripts/gpu_check.py --dry-run", file=sys.stderr)
+        print(
+            "error: no CUDA device is visible; on a machine without one run the CPU mode: "
+            "scripts/gpu_check.py --dry-run",
+            file=sys.stderr,
+        )
         return 2
     check = GpuCheck(args, CUDA if cuda else DRY_RUN, args.nproc or (torch.cuda.device_count() if cuda else 2))
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.path.append(str(check.pythonpath))  # benchmarks and the top-level recipes, without the checkout's root
-    print(f"[gpu-check] {'CUDA' if cuda else 'dry run on the CPU'}, {check.nproc} process(es) per launch, "
-          f"{check.remaining():.0f}s budget; work in {check.work}; report in {check.out}", flush=True)
+    print(
+        f"[gpu-check] {'CUDA' if cuda else 'dry run on the CPU'}, {check.nproc} process(es) per launch, "
+        f"{check.remaining():.0f}s budget; work in {check.work}; report in {check.out}",
+        flush=True,
+    )
     try:
         if installed is None:
             check.skip("install", "carried wheels", "no --wheels (gpu_check.sh passes gpu-wheels/): nothing installed")
@@ -114,8 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(check.work, ignore_errors=True)
     summary = check.summary()
     c = summary["counts"]
-    print(f"[gpu-check] {summary['result'].upper()}: {c[PASSED]} passed, {c[FAILED]} failed, {c[SKIPPED]} skipped "
-          f"in {summary['seconds']:.0f}s; {check.out / 'report.md'}", flush=True)
+    print(
+        f"[gpu-check] {summary['result'].upper()}: {c[PASSED]} passed, {c[FAILED]} failed, {c[SKIPPED]} skipped "
+        f"in {summary['seconds']:.0f}s; {check.out / 'report.md'}",
+        flush=True,
+    )
     return 0 if summary["result"] == PASSED else 1
 
 

@@ -30,8 +30,14 @@ DEFAULT_DEST = ROOT / "gpu-wheels"
 PYTHON_VERSION = "3.12"
 ABI = "cp312"
 #: pip matches platform tags exactly: every manylinux level a wheel may carry.
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux_2_5_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_5_x86_64",
+    "manylinux1_x86_64",
+)
 #: What travels may take this much; the device tool's limit is 64 MiB for the
 #: working tree and the carried folders together.
 LIMIT_MIB = 56.0
@@ -84,8 +90,24 @@ def mib(n_bytes: int) -> float:
 def download_command(dists: Iterable[Dist], dest: Path, python: str = sys.executable) -> list[str]:
     """One ``pip download`` of every wheel, for CPython 3.12 on manylinux x86_64
     (``--only-binary``: a source archive of the wrong platform must not slip in)."""
-    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-           "--implementation", "cp", "--abi", ABI, "--abi", "abi3", "--abi", "none"]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "--abi",
+        ABI,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     return [*cmd, "-d", str(dest), *(d.requirement for d in dists)]
@@ -94,16 +116,33 @@ def download_command(dists: Iterable[Dist], dest: Path, python: str = sys.execut
 def build_command(dist: Dist, dest: Path, python: str = sys.executable) -> list[str]:
     """A pure-Python wheel built from the sdist with this interpreter's torch
     (DeepSpeed's set-up imports torch: no build isolation)."""
-    return [python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-binary", dist.name,
-            "-w", str(dest), dist.requirement]
+    return [
+        python,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-binary",
+        dist.name,
+        "-w",
+        str(dest),
+        dist.requirement,
+    ]
 
 
 def expected_stems(dists: Sequence[Dist] = DISTS) -> list[str]:
     return [d.stem for d in dists] + ["parallelx-"]
 
 
-def check_folder(dest: Path, dists: Sequence[Dist] = DISTS, *, limit_mib: float = LIMIT_MIB,
-                 tree_bytes: int = 0, travel_limit_mib: float = TRAVEL_LIMIT_MIB) -> list[str]:
+def check_folder(
+    dest: Path,
+    dists: Sequence[Dist] = DISTS,
+    *,
+    limit_mib: float = LIMIT_MIB,
+    tree_bytes: int = 0,
+    travel_limit_mib: float = TRAVEL_LIMIT_MIB,
+) -> list[str]:
     """What is wrong with ``dest`` (an empty list when nothing is): a missing
     or doubled distribution, a wheel that CPython 3.12 on Linux x86_64 cannot
     install, or too many bytes to travel."""
@@ -128,21 +167,22 @@ def check_folder(dest: Path, dists: Sequence[Dist] = DISTS, *, limit_mib: float 
     if mib(total) > limit_mib:
         problems.append(f"{dest} holds {mib(total):.1f} MiB, more than the {limit_mib:.0f} MiB allowed")
     if mib(total + tree_bytes) > travel_limit_mib:
-        problems.append(f"wheels ({mib(total):.1f} MiB) and working tree ({mib(tree_bytes):.1f} MiB) together "
-                        f"exceed {travel_limit_mib:.0f} MiB; the device tool carries 64 MiB at most")
+        problems.append(
+            f"wheels ({mib(total):.1f} MiB) and working tree ({mib(tree_bytes):.1f} MiB) together "
+            f"exceed {travel_limit_mib:.0f} MiB; the device tool carries 64 MiB at most"
+        )
     return problems
 
 
 def installable_on_target(filename: str) -> bool:
     """Whether a wheel's tags (``name-ver-python-abi-platform.whl``) admit CPython 3.12 on x86_64 Linux."""
-    parts = filename[:-len(".whl")].split("-")
+    parts = filename[: -len(".whl")].split("-")
     if len(parts) < 5:
         return False
     pythons, abis, platforms = (set(t.split(".")) for t in parts[-3:])
     minor = int(PYTHON_VERSION.split(".")[1])
     # abi3 wheels built for an older CPython 3 (cp38, ...) install on 3.12 too.
-    stable = "abi3" in abis and any(p.startswith("cp3") and p[3:].isdigit() and int(p[3:]) <= minor
-                                    for p in pythons)
+    stable = "abi3" in abis and any(p.startswith("cp3") and p[3:].isdigit() and int(p[3:]) <= minor for p in pythons)
     python_ok = bool(pythons & {"py3", f"py3{minor}", ABI}) or stable
     abi_ok = bool(abis & {"none", "abi3", ABI})
     platform_ok = "any" in platforms or any(p.endswith("x86_64") and "linux" in p for p in platforms)
@@ -152,8 +192,12 @@ def installable_on_target(filename: str) -> bool:
 def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of what the device tool sends besides carried folders: tracked
     files and untracked ones that git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
     return sum((root / f).stat().st_size for f in out.decode().split("\0") if f and (root / f).is_file())
 
 
@@ -173,8 +217,20 @@ def make(dest: Path) -> None:
             if d.how == "build":  # DS_BUILD_OPS=0: no C++/CUDA ops, a pure-Python wheel
                 run(build_command(d, tmp), env={**os.environ, "DS_BUILD_OPS": "0"})
             elif d.how == "sdist":
-                run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp),
-                     d.requirement])
+                run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--no-binary",
+                        ":all:",
+                        "-d",
+                        str(tmp),
+                        d.requirement,
+                    ]
+                )
         run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(ROOT)])
         if dest.exists():
             shutil.rmtree(dest)
@@ -195,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu-wheels] {mib(p.stat().st_size):7.2f} MiB  {p.name}")
     tree = tree_bytes()
     total = sum(p.stat().st_size for p in files)
-    print(f"[gpu-wheels] {mib(total):7.2f} MiB in {args.dest} ({len(files)} files); working tree "
-          f"{mib(tree):.2f} MiB; together {mib(total + tree):.2f} MiB of the 64 MiB the device tool carries")
+    print(
+        f"[gpu-wheels] {mib(total):7.2f} MiB in {args.dest} ({len(files)} files); working tree "
+        f"{mib(tree):.2f} MiB; together {mib(total + tree):.2f} MiB of the 64 MiB the device tool carries"
+    )
     problems = check_folder(args.dest, tree_bytes=tree)
     for problem in problems:
         print(f"[gpu-wheels] error: {problem}", file=sys.stderr)

@@ -35,9 +35,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 
+# The project's pins replace any machine-wide pip constraint file (PIP_CONSTRAINT
+# overrides pip.conf's `constraint`): a cap left there by another project would
+# otherwise refuse these releases.  Other pip settings (index, proxy) still apply.
+export PIP_CONSTRAINT="$PWD/constraints.txt"
 "$PY" -m pip install --quiet --upgrade pip wheel setuptools
 echo "[setup] installing torch, torchvision, deepspeed, ray and parallelx (about 2.5 minutes from fresh)"
-"$PY" -m pip install --quiet -c constraints.txt -e ".[deepspeed,ray,dev]"
+"$PY" -m pip install --quiet -e ".[deepspeed,ray,dev]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
 check=$("$VENV/bin/horovodrun" --check-build)

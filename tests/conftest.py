@@ -39,14 +39,28 @@ def _no_env_leak():
 # launches (tests/support/core_runs.py keeps them per process) and the cluster
 # engines' torchrun reference (tests/system/conftest.py).
 _SHARED = {
-    "test_distributed.py": "core", "test_loops.py": "core", "test_trainstate_launch.py": "core",
-    "test_gather_launch.py": "core", "test_slurm.py": "engines", "test_ray.py": "engines",
+    "test_distributed.py": "core",
+    "test_loops.py": "core",
+    "test_trainstate_launch.py": "core",
+    "test_gather_launch.py": "core",
+    "test_slurm.py": "engines",
+    "test_ray.py": "engines",
 }
 # The longest groups first, so that neither worker is left with a long one at the
 # end (by their wall time on two workers; the stall tests, mostly waiting, early).
-_LONGEST = ("test_resume.py", "core", "test_benchmarks.py", "test_stall.py", "test_gpu_check.py",
-            "test_recipes.py", "test_multinode.py", "engines", "test_recipe_parity.py", "test_clients.py",
-            "test_failures.py")
+_LONGEST = (
+    "test_resume.py",
+    "core",
+    "test_benchmarks.py",
+    "test_stall.py",
+    "test_gpu_check.py",
+    "test_recipes.py",
+    "test_multinode.py",
+    "engines",
+    "test_recipe_parity.py",
+    "test_clients.py",
+    "test_failures.py",
+)
 
 
 def _group(nodeid: str) -> str:

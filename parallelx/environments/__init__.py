@@ -26,7 +26,8 @@ from .slurm import Slurm
 from .torchelastic import TorchElastic
 
 _ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
-    cls.name: cls for cls in (RayTrain, HorovodRun, DeepSpeedLauncher, TorchElastic, Slurm, EnvVars, Local)}
+    cls.name: cls for cls in (RayTrain, HorovodRun, DeepSpeedLauncher, TorchElastic, Slurm, EnvVars, Local)
+}
 
 
 def register_environment(cls: type[ClusterEnvironment]) -> None:
@@ -47,8 +48,9 @@ def environment_class(name: str) -> type[ClusterEnvironment]:
     return _ENVIRONMENTS[name]
 
 
-def detect_environment(environ: Mapping[str, str] | None = None,
-                       argv: Sequence[str] | None = None) -> ClusterEnvironment:
+def detect_environment(
+    environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
+) -> ClusterEnvironment:
     """The environment that started this process (``local`` when none did)."""
     env = os.environ if environ is None else environ
     args = sys.argv if argv is None else argv
@@ -59,5 +61,11 @@ def detect_environment(environ: Mapping[str, str] | None = None,
     return Local(env, args)
 
 
-__all__ = ["ClusterEnvironment", "World", "available_environments", "detect_environment", "environment_class",
-           "register_environment"]
+__all__ = [
+    "ClusterEnvironment",
+    "World",
+    "available_environments",
+    "detect_environment",
+    "environment_class",
+    "register_environment",
+]

@@ -98,8 +98,14 @@ class ClusterEnvironment(abc.ABC):
         environment gives them under other names.  Variables already set win."""
         target = os.environ if environ is None else environ
         w = self.world()
-        values = {"RANK": w.rank, "WORLD_SIZE": w.world_size, "LOCAL_RANK": w.local_rank,
-                  "LOCAL_WORLD_SIZE": w.local_world_size, "MASTER_ADDR": w.master_addr, "MASTER_PORT": w.master_port}
+        values = {
+            "RANK": w.rank,
+            "WORLD_SIZE": w.world_size,
+            "LOCAL_RANK": w.local_rank,
+            "LOCAL_WORLD_SIZE": w.local_world_size,
+            "MASTER_ADDR": w.master_addr,
+            "MASTER_PORT": w.master_port,
+        }
         for key, value in values.items():
             if value is not None and key not in target:
                 target[key] = str(value)
@@ -129,7 +135,11 @@ def distributed_world(environ: Mapping[str, str], *local_sizes: str, local_defau
     world size when None)."""
     size = int_var(environ, "WORLD_SIZE")
     local = int_var(environ, *local_sizes, default=size if local_default is None else local_default)
-    return World(rank=int_var(environ, "RANK"), world_size=size, local_rank=int_var(environ, "LOCAL_RANK", default=0),
-                 local_world_size=local,
-                 master_addr=environ.get("MASTER_ADDR"),
-                 master_port=int_var(environ, "MASTER_PORT", default=0) or None)
+    return World(
+        rank=int_var(environ, "RANK"),
+        world_size=size,
+        local_rank=int_var(environ, "LOCAL_RANK", default=0),
+        local_world_size=local,
+        master_addr=environ.get("MASTER_ADDR"),
+        master_port=int_var(environ, "MASTER_PORT", default=0) or None,
+    )

@@ -19,9 +19,12 @@ class HorovodRun(ClusterEnvironment):
     def world(self) -> World:
         e = self.environ
         size = int_var(e, "HOROVOD_SIZE", default=1)
-        return World(rank=int_var(e, "HOROVOD_RANK"), world_size=size,
-                     local_rank=int_var(e, "HOROVOD_LOCAL_RANK", default=0),
-                     local_world_size=int_var(e, "HOROVOD_LOCAL_SIZE", default=size))
+        return World(
+            rank=int_var(e, "HOROVOD_RANK"),
+            world_size=size,
+            local_rank=int_var(e, "HOROVOD_LOCAL_RANK", default=0),
+            local_world_size=int_var(e, "HOROVOD_LOCAL_SIZE", default=size),
+        )
 
     def why(self) -> str:
         return f"HOROVOD_RANK={self.environ['HOROVOD_RANK']}"

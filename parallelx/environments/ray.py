@@ -59,9 +59,14 @@ class RayTrain(ClusterEnvironment):
         if ctx is None:  # told to use Ray outside a training function: its variables are all there is
             return distributed_world(self.environ, "LOCAL_WORLD_SIZE")
         port = self.environ.get("MASTER_PORT")
-        return World(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-                     local_world_size=ctx.get_local_world_size(), master_addr=self.environ.get("MASTER_ADDR"),
-                     master_port=int(port) if port else None)
+        return World(
+            rank=ctx.get_world_rank(),
+            world_size=ctx.get_world_size(),
+            local_rank=ctx.get_local_rank(),
+            local_world_size=ctx.get_local_world_size(),
+            master_addr=self.environ.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+        )
 
     def why(self) -> str:
         ctx = _train_context()

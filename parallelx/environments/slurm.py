@@ -122,18 +122,24 @@ class Slurm(ClusterEnvironment):
     def world(self) -> World:
         e = self.environ
         size = int_var(e, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-        return World(rank=int_var(e, "SLURM_PROCID"), world_size=size,
-                     local_rank=int_var(e, "SLURM_LOCALID", default=0), local_world_size=self._local_size(size),
-                     master_addr=e.get("MASTER_ADDR") or self.hosts()[0],
-                     master_port=int_var(e, "MASTER_PORT", default=0) or self._port())
+        return World(
+            rank=int_var(e, "SLURM_PROCID"),
+            world_size=size,
+            local_rank=int_var(e, "SLURM_LOCALID", default=0),
+            local_world_size=self._local_size(size),
+            master_addr=e.get("MASTER_ADDR") or self.hosts()[0],
+            master_port=int_var(e, "MASTER_PORT", default=0) or self._port(),
+        )
 
     def hosts(self) -> list[str]:
         """The step's hosts (the job's, where the step's are not given)."""
         for key in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             if self.environ.get(key):
                 return expand_hostlist(self.environ[key])
-        raise LaunchError("Slurm: none of $SLURM_STEP_NODELIST, $SLURM_JOB_NODELIST, $SLURM_NODELIST is set; "
-                          "set MASTER_ADDR to the host of rank 0")
+        raise LaunchError(
+            "Slurm: none of $SLURM_STEP_NODELIST, $SLURM_JOB_NODELIST, $SLURM_NODELIST is set; "
+            "set MASTER_ADDR to the host of rank 0"
+        )
 
     def _local_size(self, size: int) -> int:
         e = self.environ
@@ -142,8 +148,7 @@ class Slurm(ClusterEnvironment):
                 counts = expand_tasks_per_node(e[key])
                 node = int_var(e, "SLURM_NODEID", default=0)
                 if node >= len(counts):
-                    raise LaunchError(f"Slurm: $SLURM_NODEID={node} but ${key}={e[key]} names {len(counts)} "
-                                      "node(s)")
+                    raise LaunchError(f"Slurm: $SLURM_NODEID={node} but ${key}={e[key]} names {len(counts)} node(s)")
                 return counts[node]
         return int_var(e, "SLURM_NTASKS_PER_NODE", default=size)
 
@@ -153,9 +158,11 @@ class Slurm(ClusterEnvironment):
 
     def why(self) -> str:
         e = self.environ
-        return (f"SLURM_PROCID={e.get('SLURM_PROCID')} of "
-                f"{e.get('SLURM_STEP_NUM_TASKS') or e.get('SLURM_NTASKS')} tasks, job "
-                f"{e.get('SLURM_JOB_ID') or e.get('SLURM_JOBID')} step {_step_id(e)}")
+        return (
+            f"SLURM_PROCID={e.get('SLURM_PROCID')} of "
+            f"{e.get('SLURM_STEP_NUM_TASKS') or e.get('SLURM_NTASKS')} tasks, job "
+            f"{e.get('SLURM_JOB_ID') or e.get('SLURM_JOBID')} step {_step_id(e)}"
+        )
 
     def check_devices(self, gpus: int) -> None:
         w = self.world()
@@ -163,12 +170,15 @@ class Slurm(ClusterEnvironment):
             raise LaunchError(
                 f"slurm: this job step runs {w.local_world_size} tasks on this node but each task sees {gpus} "
                 f"GPU(s); ask for at most one task per GPU and give every task the node's GPUs "
-                f"(srun --ntasks-per-node {gpus} --gpus-per-node {gpus}), or run on the CPU with --device cpu")
+                f"(srun --ntasks-per-node {gpus} --gpus-per-node {gpus}), or run on the CPU with --device cpu"
+            )
 
     def hint(self) -> str:
         e = self.environ
         nodes = expand_hostlist(e.get("SLURM_JOB_NODELIST") or ",".join(self.hosts()))
         counts = expand_tasks_per_node(e.get("SLURM_TASKS_PER_NODE") or str(self.world().local_world_size))
         slots = ",".join(f"{h}:{n}" for h, n in zip(nodes, counts + counts[-1:] * len(nodes)))
-        return (f"; under Slurm start that launcher once per job, not in every task (from the batch script, or "
-                f"srun --ntasks 1), with the allocation's hosts and slots {slots}")
+        return (
+            f"; under Slurm start that launcher once per job, not in every task (from the batch script, or "
+            f"srun --ntasks 1), with the allocation's hosts and slots {slots}"
+        )

@@ -74,23 +74,56 @@ class Settings:
     sync_backends: tuple[str, ...]  # whose training loop the host-sync section measures
 
 
-CUDA = Settings(cuda=True, cifar_train=2000, cifar_test=501, dogcat_per_class=20, cifar_args=("--batch-size", "64"),
-                dogcat_args=("--image-size", "224", "--batch-size", "8", "--max-steps", "3", "--lr", "0.001"),
-                dogcat_size=224, recipe_backends={"cifar10": BACKENDS, "dogcat": BACKENDS}, fewer_because="",
-                loss_rtol=1e-4, launch_timeout_s=180, model="vgg16", image_size=224, batch=32, warmup=2, steps=10,
-                blocks=6, sync_batch=256, sync_steps=(5, 10, 60), sync_workers=4,
-                sync_backends=("single", "ddp", "deepspeed", "horovod"))
-DRY_RUN = Settings(cuda=False, cifar_train=300, cifar_test=51, dogcat_per_class=13, cifar_args=("--batch-size", "32"),
-                   dogcat_args=("--image-size", "32", "--batch-size", "4", "--max-steps", "2", "--lr", "0.001"),
-                   dogcat_size=32, loss_rtol=1e-5, launch_timeout_s=150,
-                   # About a minute and a half on 2 cores: each launcher once, VGG16 in one launch, one
-                   # precision through the harness; tests/launcher runs every backend on both recipes.
-                   recipe_backends={"cifar10": ("ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
-                   fewer_because="dry run: each launcher once (CIFAR-10 under torchrun, the deepspeed launcher "
-                                 "and horovodrun, VGG16 in one process), to keep the dry run short (tests/launcher runs the recipes "
-                                 "under every backend)",
-                   model="lenet", image_size=32, batch=32, warmup=1, steps=3, blocks=2,
-                   sync_batch=32, sync_steps=(1, 2, 6), sync_workers=0, sync_backends=("ddp",))
+CUDA = Settings(
+    cuda=True,
+    cifar_train=2000,
+    cifar_test=501,
+    dogcat_per_class=20,
+    cifar_args=("--batch-size", "64"),
+    dogcat_args=("--image-size", "224", "--batch-size", "8", "--max-steps", "3", "--lr", "0.001"),
+    dogcat_size=224,
+    recipe_backends={"cifar10": BACKENDS, "dogcat": BACKENDS},
+    fewer_because="",
+    loss_rtol=1e-4,
+    launch_timeout_s=180,
+    model="vgg16",
+    image_size=224,
+    batch=32,
+    warmup=2,
+    steps=10,
+    blocks=6,
+    sync_batch=256,
+    sync_steps=(5, 10, 60),
+    sync_workers=4,
+    sync_backends=("single", "ddp", "deepspeed", "horovod"),
+)
+DRY_RUN = Settings(
+    cuda=False,
+    cifar_train=300,
+    cifar_test=51,
+    dogcat_per_class=13,
+    cifar_args=("--batch-size", "32"),
+    dogcat_args=("--image-size", "32", "--batch-size", "4", "--max-steps", "2", "--lr", "0.001"),
+    dogcat_size=32,
+    loss_rtol=1e-5,
+    launch_timeout_s=150,
+    # About a minute and a half on 2 cores: each launcher once, VGG16 in one launch, one
+    # precision through the harness; tests/launcher runs every backend on both recipes.
+    recipe_backends={"cifar10": ("ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
+    fewer_because="dry run: each launcher once (CIFAR-10 under torchrun, the deepspeed launcher "
+    "and horovodrun, VGG16 in one process), to keep the dry run short (tests/launcher runs the recipes "
+    "under every backend)",
+    model="lenet",
+    image_size=32,
+    batch=32,
+    warmup=1,
+    steps=3,
+    blocks=2,
+    sync_batch=32,
+    sync_steps=(1, 2, 6),
+    sync_workers=0,
+    sync_backends=("ddp",),
+)
 
 
 @dataclass
@@ -134,8 +167,9 @@ def section_status(items: Sequence[Item]) -> str:
 class Check:
     """Runs steps against a deadline and keeps the report up to date."""
 
-    def __init__(self, out: Path, work: Path, deadline: float, settings: Settings, nproc: int,
-                 only: Sequence[str] = SECTIONS) -> None:
+    def __init__(
+        self, out: Path, work: Path, deadline: float, settings: Settings, nproc: int, only: Sequence[str] = SECTIONS
+    ) -> None:
         self.out, self.work, self.deadline, self.settings, self.nproc = out, work, deadline, settings, nproc
         self.cuda, self.only, self.started = settings.cuda, set(only), time.time()
         self.items: list[Item] = []
@@ -154,14 +188,17 @@ class Check:
 
     def env(self, timeout_s: float) -> dict[str, str]:
         """What every process the check starts adds to :func:`parallelx.runner.job_env`."""
-        env = {"PARALLELX_TIMEOUT": str(int(max(30, min(120, timeout_s - 10)))),  # before the launch's own timeout
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(self.pythonpath), os.environ.get("PYTHONPATH")]))}
+        env = {
+            "PARALLELX_TIMEOUT": str(int(max(30, min(120, timeout_s - 10)))),  # before the launch's own timeout
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(self.pythonpath), os.environ.get("PYTHONPATH")])),
+        }
         if self.cuda:
             # One machine: NCCL's bootstrap stays on the loopback interface, as Gloo's does.
             env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
             if (nccl := nccl_dirs()) is not None:
-                env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(nccl[1]),
-                                                                       os.environ.get("LD_LIBRARY_PATH")]))
+                env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                    filter(None, [str(nccl[1]), os.environ.get("LD_LIBRARY_PATH")])
+                )
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run stays on the CPU, on a GPU machine too
         return env
@@ -170,8 +207,15 @@ class Check:
         """``target`` under ``backend``'s launcher, one process per GPU (one for the in-process backends)."""
         from parallelx import backend_class, runner
 
-        return runner.launch(backend_class(backend).launcher, target, self.nproc, timeout=timeout_s,
-                             env=self.env(timeout_s), cwd=self.work, log=self.logs / f"{log_name}.log")
+        return runner.launch(
+            backend_class(backend).launcher,
+            target,
+            self.nproc,
+            timeout=timeout_s,
+            env=self.env(timeout_s),
+            cwd=self.work,
+            log=self.logs / f"{log_name}.log",
+        )
 
     def launched(self, backend: str, target: list[str], *, cap: float, log_name: str) -> Finished:
         """:meth:`launch` with the step's timeout; a backend that cannot run skips the step, a failed launch
@@ -202,8 +246,9 @@ class Check:
     def skip(self, section: str, name: str, reason: str, *, needs: str | None = None) -> Item:
         return self.record(Item(section, name, SKIPPED, reason, needs=needs))
 
-    def step(self, section: str, name: str, fn: Callable[[], Outcome], *, need_s: float = 0.0,
-             needs: str | None = None) -> Item:
+    def step(
+        self, section: str, name: str, fn: Callable[[], Outcome], *, need_s: float = 0.0, needs: str | None = None
+    ) -> Item:
         """Run ``fn`` as one check; it returns an :class:`Outcome`, or raises
         :class:`Skip` or :class:`Fail`.  Any other exception fails the step
         with its traceback in the log: a broken step must not stop the others."""
@@ -211,8 +256,12 @@ class Check:
             return self.skip(section, name, "not selected (--only)", needs=needs)
         left = self.remaining() - RESERVE_S
         if left < need_s:
-            return self.skip(section, name, f"out of time: {max(0, left):.0f}s of the budget left, "
-                                            f"this step needs about {need_s:.0f}s", needs=needs)
+            return self.skip(
+                section,
+                name,
+                f"out of time: {max(0, left):.0f}s of the budget left, this step needs about {need_s:.0f}s",
+                needs=needs,
+            )
         start, item = time.monotonic(), Item(section, name, PASSED, needs=needs)
         try:
             outcome = fn()
@@ -227,23 +276,37 @@ class Check:
         return self.record(item)
 
     def summary(self) -> dict[str, Any]:
-        sections = {name: {"status": section_status(items := [i for i in self.items if i.section == name]),
-                           "items": [{k: v for k, v in asdict(i).items() if k not in ("section", "log")}
-                                     for i in items]} for name in SECTIONS}
+        sections = {
+            name: {
+                "status": section_status(items := [i for i in self.items if i.section == name]),
+                "items": [{k: v for k, v in asdict(i).items() if k not in ("section", "log")} for i in items],
+            }
+            for name in SECTIONS
+        }
         counts = {s: sum(i.status == s for i in self.items) for s in (PASSED, FAILED, SKIPPED)}
-        return {"result": FAILED if counts[FAILED] else PASSED, "mode": "cuda" if self.settings.cuda else "dry-run",
-                "nproc": self.nproc, "counts": counts, "seconds": round(time.time() - self.started, 1),
-                "started": dt.datetime.fromtimestamp(self.started, dt.timezone.utc).isoformat(timespec="seconds"),
-                "environment": self.facts, "logs": str(self.work / "logs"), "sections": sections,
-                "skipped_cuda_only": [f"{i.section} / {i.name}" for i in self.items
-                                      if i.status == SKIPPED and i.needs == "cuda"]}
+        return {
+            "result": FAILED if counts[FAILED] else PASSED,
+            "mode": "cuda" if self.settings.cuda else "dry-run",
+            "nproc": self.nproc,
+            "counts": counts,
+            "seconds": round(time.time() - self.started, 1),
+            "started": dt.datetime.fromtimestamp(self.started, dt.timezone.utc).isoformat(timespec="seconds"),
+            "environment": self.facts,
+            "logs": str(self.work / "logs"),
+            "sections": sections,
+            "skipped_cuda_only": [
+                f"{i.section} / {i.name}" for i in self.items if i.status == SKIPPED and i.needs == "cuda"
+            ],
+        }
 
     def write(self) -> None:
         """``summary.json`` and ``report.md``, each replaced whole (a reader never sees half a file)."""
         self.out.mkdir(parents=True, exist_ok=True)
         summary = self.summary()
-        for name, text in (("summary.json", json.dumps(summary, indent=1, default=str) + "\n"),
-                           ("report.md", self.markdown(summary))):
+        for name, text in (
+            ("summary.json", json.dumps(summary, indent=1, default=str) + "\n"),
+            ("report.md", self.markdown(summary)),
+        ):
             tmp = self.out / (name + ".tmp")
             tmp.write_text(text)
             os.replace(tmp, self.out / name)
@@ -251,12 +314,17 @@ class Check:
     def markdown(self, summary: dict[str, Any]) -> str:
         counts = summary["counts"]
         lines = [
-            "# parallelx GPU check", "",
+            "# parallelx GPU check",
+            "",
             f"**Result: {summary['result'].upper()}**: {counts[PASSED]} passed, {counts[FAILED]} failed, "
-            f"{counts[SKIPPED]} skipped, in {summary['seconds']:.0f} s (started {summary['started']}).", "",
+            f"{counts[SKIPPED]} skipped, in {summary['seconds']:.0f} s (started {summary['started']}).",
+            "",
             f"Mode: {'CUDA' if summary['mode'] == 'cuda' else 'dry run on the CPU (what needs CUDA is skipped)'}; "
-            f"{summary['nproc']} process(es) per multi-process launch; {self.facts.get('gpus') or 'CPU only'}.", "",
-            "| section | status | passed | failed | skipped |", "|---|---|---:|---:|---:|"]
+            f"{summary['nproc']} process(es) per multi-process launch; {self.facts.get('gpus') or 'CPU only'}.",
+            "",
+            "| section | status | passed | failed | skipped |",
+            "|---|---|---:|---:|---:|",
+        ]
         for name, sec in summary["sections"].items():
             n = {s: sum(i["status"] == s for i in sec["items"]) for s in (PASSED, FAILED, SKIPPED)}
             lines.append(f"| {name} | {sec['status']} | {n[PASSED]} | {n[FAILED]} | {n[SKIPPED]} |")
@@ -269,11 +337,16 @@ class Check:
             lines += ["| check | status | s | details |", "|---|---|---:|---|"]
             for i in items:
                 # The recipes' figures are in their details already; summary.json has them all.
-                figures = "; ".join(f"{k} {_fmt(v)}" for k, v in i.figures.items() if not isinstance(v, dict)) \
-                    if name in FIGURE_SECTIONS else ""
+                figures = (
+                    "; ".join(f"{k} {_fmt(v)}" for k, v in i.figures.items() if not isinstance(v, dict))
+                    if name in FIGURE_SECTIONS
+                    else ""
+                )
                 detail = " ".join(filter(None, [i.detail, f"({figures})" if figures else ""])).replace("|", "\\|")
-                lines.append(f"| {i.name} | {i.status.upper() if i.status == FAILED else i.status} | "
-                             f"{i.seconds:.1f} | {detail} |")
+                lines.append(
+                    f"| {i.name} | {i.status.upper() if i.status == FAILED else i.status} | "
+                    f"{i.seconds:.1f} | {detail} |"
+                )
             if name == "environment" and self.env_text:
                 lines += ["", "`python -m parallelx env`:", "", "```", self.env_text.rstrip(), "```"]
             for i in items:
@@ -281,9 +354,18 @@ class Check:
                     # tqdm redraws with carriage returns: keep the last state of each line.
                     tail = "\n".join(row.rsplit("\r", 1)[-1] for row in i.log.splitlines()[-40:])
                     lines += ["", f"Output of the failed check *{i.name}* (last lines):", "", "```", tail, "```"]
-        lines += ["", "Every launch's whole output: `logs.tar.gz` beside this report when the scratch folder was a "
-                  f"temporary one (no --work), else `{summary['logs']}`.", "",
-                  "Environment:", "", "```", json.dumps(self.facts, indent=1, default=str), "```", ""]
+        lines += [
+            "",
+            "Every launch's whole output: `logs.tar.gz` beside this report when the scratch folder was a "
+            f"temporary one (no --work), else `{summary['logs']}`.",
+            "",
+            "Environment:",
+            "",
+            "```",
+            json.dumps(self.facts, indent=1, default=str),
+            "```",
+            "",
+        ]
         return "\n".join(lines)
 
 

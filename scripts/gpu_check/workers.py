@@ -51,22 +51,33 @@ def sync_worker(plan_file: Path) -> int:
 
     p = json.loads(plan_file.read_text())
     case = workload.Case(model="lenet", batch=p["batch"], image_size=32, warmup=0, steps=1, lr=0.01)
-    plan = workload.Plan(impl=f"sync-{p['backend']}", nproc=p["nproc"],
-                         threads=max(1, workload.cpu_cores() // p["nproc"]), out=p["out"], cases=[case])
+    plan = workload.Plan(
+        impl=f"sync-{p['backend']}",
+        nproc=p["nproc"],
+        threads=max(1, workload.cpu_cores() // p["nproc"]),
+        out=p["out"],
+        cases=[case],
+    )
     with px_worker.make_backend(p["backend"], plan) as backend:
         workload.check_world_size(plan, backend.world_size)
         device = backend.device
         n = case.batch * backend.world_size * (p["warmup"] + p["long"] + 1)
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
-        loader = DataLoader(data, batch_size=case.batch, sampler=backend.make_sampler(data, shuffle=True, seed=0),
-                            num_workers=p["workers"], pin_memory=device.type == "cuda",
-                            persistent_workers=p["workers"] > 0)
+        loader = DataLoader(
+            data,
+            batch_size=case.batch,
+            sampler=backend.make_sampler(data, shuffle=True, seed=0),
+            num_workers=p["workers"],
+            pin_memory=device.type == "cuda",
+            persistent_workers=p["workers"] > 0,
+        )
         base = workload.build_model(case)
         model, optimizer = backend.setup(base, workload.make_optimizer(base, case))
         criterion = nn.CrossEntropyLoss(reduction="none")
         loops: dict[str, Callable[[int], None]] = {
-            "parallelx": lambda k: run_epoch(backend, model, loader, criterion, optimizer=optimizer, max_steps=k)}
+            "parallelx": lambda k: run_epoch(backend, model, loader, criterion, optimizer=optimizer, max_steps=k)
+        }
         if p["backend"] in plain.FRAMEWORKS:
             world = plain.World(backend.rank, backend.local_rank, backend.world_size, device)
             plain_step, _ = plain.FRAMEWORKS[p["backend"]][1](case, world)
@@ -91,11 +102,15 @@ def sync_worker(plan_file: Path) -> int:
                 workload.synchronize(device)  # outside the count: it is ours, not the loop's
                 runs[k] = {"seconds": time.perf_counter() - start, "syncs": found[0] if found else None}
             short, long, k = runs[p["short"]], runs[p["long"]], p["long"] - p["short"]
-            result[name] = {"runs": runs, "step_s": (long["seconds"] - short["seconds"]) / k,
-                            "syncs_per_step": None if long["syncs"] is None else (long["syncs"] - short["syncs"]) / k}
+            result[name] = {
+                "runs": runs,
+                "step_s": (long["seconds"] - short["seconds"]) / k,
+                "syncs_per_step": None if long["syncs"] is None else (long["syncs"] - short["syncs"]) / k,
+            }
         Path(p["out"]).mkdir(parents=True, exist_ok=True)
-        (Path(p["out"]) / f"sync.rank{backend.rank}.json").write_text(json.dumps(
-            {"rank": backend.rank, "world_size": backend.world_size, "device": str(device), "loops": result}))
+        (Path(p["out"]) / f"sync.rank{backend.rank}.json").write_text(
+            json.dumps({"rank": backend.rank, "world_size": backend.world_size, "device": str(device), "loops": result})
+        )
     return 0
 
 
@@ -116,9 +131,8 @@ def nccl_dirs() -> tuple[Path, Path] | None:
 def build_horovod(sdist: Path, wheel_dir: Path) -> int:
     """``scripts/build_horovod.py``'s build with NCCL operations (its ``build(gpu=True)``), offline from the
     carried sdist, which gets first what the GPU machine's CUDA 13 needs; NCCL comes from torch's own wheel."""
-    import torch
-
     import build_horovod as bh  # scripts/build_horovod.py: the entry script's folder is on sys.path
+    import torch
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvd-gpu-") as tmp:
@@ -127,12 +141,14 @@ def build_horovod(sdist: Path, wheel_dir: Path) -> int:
             tar.extractall(tmp_path, filter="data")
         src = tmp_path / f"horovod-{bh.HOROVOD_VERSION}"
         # CUDA 13's headers (CCCL) refuse anything below C++17; Horovod pins its CUDA kernels to C++11.
-        bh.patch(src / "horovod/common/ops/cuda/CMakeLists.txt", "set(CMAKE_CUDA_STANDARD 11)",
-                 "set(CMAKE_CUDA_STANDARD 17)")
+        bh.patch(
+            src / "horovod/common/ops/cuda/CMakeLists.txt", "set(CMAKE_CUDA_STANDARD 11)", "set(CMAKE_CUDA_STANDARD 17)"
+        )
         # The driver's unversioned libcuda.so is a development link that driver-only machines
         # (containers) often lack; libcuda.so.1, its soname, is always there (torch loads it).
-        bh.patch(src / "horovod/torch/cuda_util.cc", 'dlopen("libcuda.so", RTLD_LAZY)',
-                 'dlopen("libcuda.so.1", RTLD_LAZY)')
+        bh.patch(
+            src / "horovod/torch/cuda_util.cc", 'dlopen("libcuda.so", RTLD_LAZY)', 'dlopen("libcuda.so.1", RTLD_LAZY)'
+        )
         links = tmp_path / "links"
         links.mkdir()
         with tarfile.open(links / sdist.name, "w:gz", compresslevel=1) as tar:
@@ -152,10 +168,15 @@ def build_horovod(sdist: Path, wheel_dir: Path) -> int:
             # torch's wheel ships libnccl.so.2 only: CMake's find_library wants libnccl.so.
             (tmp_path / "nccl-lib").mkdir()
             (tmp_path / "nccl-lib" / "libnccl.so").symlink_to(sorted(nccl[1].glob("libnccl.so*"))[0])
-            env.update(HOROVOD_NCCL_INCLUDE=str(nccl[0]), HOROVOD_NCCL_LIB=str(tmp_path / "nccl-lib"),
-                       HOROVOD_NCCL_LINK="SHARED")
-        bh.log(f"building with CC list {env['HOROVOD_BUILD_CUDA_CC_LIST']}, CUDA at {env.get('HOROVOD_CUDA_HOME')}, "
-               f"NCCL {nccl}")
+            env.update(
+                HOROVOD_NCCL_INCLUDE=str(nccl[0]),
+                HOROVOD_NCCL_LIB=str(tmp_path / "nccl-lib"),
+                HOROVOD_NCCL_LINK="SHARED",
+            )
+        bh.log(
+            f"building with CC list {env['HOROVOD_BUILD_CUDA_CC_LIST']}, CUDA at {env.get('HOROVOD_CUDA_HOME')}, "
+            f"NCCL {nccl}"
+        )
         bh.build(wheel_dir, gpu=True)
     bh.log(f"built in {time.monotonic() - started:.0f}s")
     return 0

@@ -51,8 +51,7 @@ def mnist_dir(tmp_path_factory) -> Path:
 def figures(output: str) -> list[str]:
     """The lines the script prints on the main rank: losses, test figures, learning rates."""
     text = re.sub(r"\[\d+\]<std(out|err)>:", "", output)  # horovodrun's prefixes
-    return [ln.strip() for ln in text.splitlines()
-            if ln.strip().startswith(("Train Epoch:", "Test set:", "lr "))]
+    return [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("Train Epoch:", "Test set:", "lr "))]
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +75,26 @@ def test_same_figures_on_every_backend(printed):
     reference = printed["ddp"]
     for name, lines in printed.items():
         assert lines == reference, f"{name} differs from ddp:\n" + "\n".join(
-            f"{a}    |    {b}" for a, b in zip(reference, lines) if a != b)
+            f"{a}    |    {b}" for a, b in zip(reference, lines) if a != b
+        )
 
 
 def test_the_port_runs_in_one_process(mnist_dir, tmp_path):
-    res = launch("python", [SCRIPT, "--data-dir", str(mnist_dir), "--backend", "single", "--epochs", "1",
-                            "--save-model", str(tmp_path / "m.pt")], timeout=120)
+    res = launch(
+        "python",
+        [
+            SCRIPT,
+            "--data-dir",
+            str(mnist_dir),
+            "--backend",
+            "single",
+            "--epochs",
+            "1",
+            "--save-model",
+            str(tmp_path / "m.pt"),
+        ],
+        timeout=120,
+    )
     assert res.returncode == 0, res.tail()
     assert any(ln.startswith("Test set:") for ln in figures(res.output))
     assert (tmp_path / "m.pt").is_file()

@@ -26,11 +26,16 @@ DATASET_SIZE = 23
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
+
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
     out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
-    return {"out": out / "dist", "reports": section_reports(request.param, "dist", tmp_path_factory),
-            "backend": CASES[request.param][1], "auto": _BY_LAUNCHER[CASES[request.param][0]]}
+    return {
+        "out": out / "dist",
+        "reports": section_reports(request.param, "dist", tmp_path_factory),
+        "backend": CASES[request.param][1],
+        "auto": _BY_LAUNCHER[CASES[request.param][0]],
+    }
 
 
 def test_world_and_detection(job):
@@ -91,15 +96,18 @@ def test_save_by_every_rank_writes_one_plain_file(job):
         assert rep["ckpt_files_seen"] == ["model.pth", "state.pth"], "a rank returned before the file existed"
         assert rep["ckpt_step"] == 5 and rep["ckpt_matches_ref"] < 1e-6
     # The file loads with plain torch, with horovod and deepspeed unimportable.
-    code = BLOCK_BACKEND_PACKAGES + f"""
+    code = (
+        BLOCK_BACKEND_PACKAGES
+        + f"""
 import torch
-state = torch.load({str(ckpt / 'state.pth')!r}, map_location='cpu', weights_only=True)
-model = torch.load({str(ckpt / 'model.pth')!r}, map_location='cpu', weights_only=True)
+state = torch.load({str(ckpt / "state.pth")!r}, map_location='cpu', weights_only=True)
+model = torch.load({str(ckpt / "model.pth")!r}, map_location='cpu', weights_only=True)
 net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 net.load_state_dict(state['model']); net.load_state_dict(model)
 assert not any(k.startswith('module.') for k in model)
 print('opt', state['optimizer'] is not None)
 """
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

@@ -22,8 +22,10 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     **backend_cases("ddp", "horovod", "deepspeed-zero0", "fsdp"),
 }
 REL_TOL = 1e-6
-VAL_LINE = re.compile(rf"epoch {EPOCHS}/{EPOCHS}: train loss [\d.]+ \| val loss (?P<loss>[\d.]+) "
-                      r"acc (?P<acc>[\d.]+) \((?P<correct>\d+)/(?P<count>\d+)\)")
+VAL_LINE = re.compile(
+    rf"epoch {EPOCHS}/{EPOCHS}: train loss [\d.]+ \| val loss (?P<loss>[\d.]+) "
+    r"acc (?P<acc>[\d.]+) \((?P<correct>\d+)/(?P<count>\d+)\)"
+)
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
 _DONE: dict[str, dict[str, torch.Tensor]] = {}
@@ -35,8 +37,12 @@ def test_example_runs_and_agrees_under_every_launcher(run, tmp_path):
     require_launcher(launcher)
     target = ["recipes/example.py"] if launcher == "deepspeed" else ["-m", "recipes.example"]
     out = tmp_path / "example.pth"
-    res = launch(launcher, [*target, "--backend", backend, *extra, "--epochs", str(EPOCHS), "--seed", str(SEED),
-                            "--out", str(out)], nproc=1 if launcher == "python" else 2, timeout=200)
+    res = launch(
+        launcher,
+        [*target, "--backend", backend, *extra, "--epochs", str(EPOCHS), "--seed", str(SEED), "--out", str(out)],
+        nproc=1 if launcher == "python" else 2,
+        timeout=200,
+    )
     assert res.returncode == 0, res.tail()
     shown = VAL_LINE.search(res.output)
     assert shown is not None, f"no validation line for the last epoch:\n{res.tail()}"

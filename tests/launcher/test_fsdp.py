@@ -34,8 +34,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     two, one = tmp_path_factory.mktemp("fsdp-2"), tmp_path_factory.mktemp("fsdp-1")
     res = launch("torchrun", ["tests/support/fsdp_worker.py", "--out", str(two)], timeout=200)
     assert res.returncode == 0, res.tail(60)
-    res = launch("torchrun", ["tests/support/fsdp_worker.py", "--out", str(one), "--load-from", str(two)],
-                 nproc=1, timeout=200)
+    res = launch(
+        "torchrun", ["tests/support/fsdp_worker.py", "--out", str(one), "--load-from", str(two)], nproc=1, timeout=200
+    )
     assert res.returncode == 0, res.tail(60)
     assert "written by 2 rank(s), this run has 1" in res.output
     return {"two": two, "one": one}
@@ -73,8 +74,13 @@ def test_sharded_checkpoint_resumes_bitwise_and_at_another_world_size(runs, opti
 def test_convert_and_resume_without_sharding(runs, optim, tmp_path):
     step = Path(torch.load(runs["two"] / f"result-{optim}.pt", weights_only=True)["path"])
     dst = tmp_path / "whole.pt"
-    proc = subprocess.run([sys.executable, "-m", "parallelx", "convert-checkpoint", str(step.parent.parent),
-                           str(dst)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelx", "convert-checkpoint", str(step.parent.parent), str(dst)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     whole = torch.load(dst, weights_only=True)
     portable = torch.load(runs["two"] / f"portable-{optim}.pt", weights_only=True)

@@ -4,7 +4,6 @@ each, on the CPU: one launch per launcher runs every check
 
 from __future__ import annotations
 
-
 import pytest
 from core_runs import core_run, section_reports
 from launching import backend_cases
@@ -109,8 +108,10 @@ def test_distributed_validation_equals_one_process_on_the_saved_weights(job):
         assert b["resumed_dist"]["loss"] != b["trained_dist"]["loss"]  # the resumed run trained on
     assert job[0]["buffers"]["trained_dist"] == job[1]["buffers"]["trained_dist"]
     cost = job[0]["buffers"]["cost"]
-    print(f"buffer broadcast after a ResNet-18 step: {cost['sync_ms']:.2f} ms of a {cost['step_ms']:.1f} ms step "
-          f"({cost['sync_ms'] / cost['step_ms']:.1%})")
+    print(
+        f"buffer broadcast after a ResNet-18 step: {cost['sync_ms']:.2f} ms of a {cost['step_ms']:.1f} ms step "
+        f"({cost['sync_ms'] / cost['step_ms']:.1%})"
+    )
 
 
 def test_one_true_batchnorm_warning_per_job(request, job):

@@ -31,7 +31,6 @@ run) shows there, where no tolerance can tell it from an order of additions.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from core_runs import core_run, section_reports
@@ -43,8 +42,14 @@ CASES = backend_cases()
 # own engine.no_sync() refuses to run under them); the update is the same.
 REDUCES_EVERY_MICRO_BATCH = {"deepspeed-zero2", "deepspeed-zero3"}
 FP32 = ("accumulate-clip", "plain", "clip-only")
-TOL = {"accumulate-clip": 1e-6, "plain": 1e-6, "clip-only": 1e-6, "bf16-mixed": 2e-2, "fp16-wire": 5e-3,
-       "bf16-wire": 3e-2}
+TOL = {
+    "accumulate-clip": 1e-6,
+    "plain": 1e-6,
+    "clip-only": 1e-6,
+    "bf16-mixed": 2e-2,
+    "fp16-wire": 5e-3,
+    "bf16-wire": 3e-2,
+}
 
 GRID_TOL = {"32": 1e-6, "bf16-mixed": 2e-2}
 
@@ -159,7 +164,8 @@ def test_grid_cases_do_what_they_say(job):
     spans = {(c["warmup"] >= c["steps"], c["warmup"] > c["steps"] // 2) for c in cases.values()}
     assert (True, True) in spans and (False, True) in spans  # a warm-up longer than the run, and one of most of it
     assert {(c["clip_name"], c["accumulate"], c["precision"]) for c in cases.values()} >= {
-        (clip, a, p) for clip in ("always", "some") for a in (1, 3) for p in ("32",)}
+        (clip, a, p) for clip in ("always", "some") for a in (1, 3) for p in ("32",)
+    }
 
 
 def test_grid_same_numbers_on_every_backend(job):

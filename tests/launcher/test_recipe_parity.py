@@ -29,9 +29,26 @@ from launching import backend_cases, launch, require_launcher
 from recipe_outputs import check_cifar_metrics, check_outputs
 
 RUNS = backend_cases()
-OPTIONS = ["--epochs", "2", "--batch-size", "16", "--lr", "0.05", "--accumulate", "3", "--clip-grad-norm", "0.5",
-           "--precision", "bf16-mixed", "--lr-schedule", "cosine", "--warmup-epochs", "1.5",
-           "--num-workers", "1"]
+OPTIONS = [
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--accumulate",
+    "3",
+    "--clip-grad-norm",
+    "0.5",
+    "--precision",
+    "bf16-mixed",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-epochs",
+    "1.5",
+    "--num-workers",
+    "1",
+]
 REL_TOL = 1e-6
 N_TEST = 31  # odd: the 2 ranks' shards are padded, and the metrics must leave the padding out
 #: Gradients reduced once per window, as ddp's (ZeRO 2 and 3 reduce every micro-batch).
@@ -56,8 +73,11 @@ def test_recipe_weights_equal_across_backends(run, cifar_dir, tmp_path):
     require_launcher(launcher)
     target = ["recipes/cifar10.py"] if launcher == "deepspeed" else ["-m", "recipes.cifar10"]
     out = tmp_path / "out"
-    res = launch(launcher, [*target, "--backend", backend, *extra, "--data-dir", str(cifar_dir),
-                            "--out-dir", str(out), *OPTIONS], timeout=200)
+    res = launch(
+        launcher,
+        [*target, "--backend", backend, *extra, "--data-dir", str(cifar_dir), "--out-dir", str(out), *OPTIONS],
+        timeout=200,
+    )
     assert res.returncode == 0, res.tail()
     assert "accumulate=3 clip_grad_norm=0.5 precision=bf16-mixed" in res.output
     # The recipe's outputs and exact metrics, as tests/launcher/test_recipes.py checks them in one process.

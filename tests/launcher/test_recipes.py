@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from launching import launch, require_launcher
 from recipe_outputs import check_cifar_metrics, check_outputs
 
@@ -49,8 +48,19 @@ def run_recipe(recipe: str, backend: str, data_dir: Path, out_dir: Path, *extra:
     require_launcher(launcher)
     # The deepspeed launcher takes a script path; the others "-m recipes.X", as the README shows.
     target = [f"recipes/{recipe}.py"] if launcher == "deepspeed" else ["-m", f"recipes.{recipe}"]
-    args = [*target, "--backend", name, *backend_args, "--data-dir", str(data_dir), "--out-dir", str(out_dir),
-            "--epochs", "1", *extra]
+    args = [
+        *target,
+        "--backend",
+        name,
+        *backend_args,
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out_dir),
+        "--epochs",
+        "1",
+        *extra,
+    ]
     return launch(launcher, args, timeout=timeout)
 
 
@@ -76,8 +86,20 @@ def test_dogcat_recipe(backend, dogcat_dir, tmp_path):
     from recipes.models import vgg16_for_dogcat
 
     out = tmp_path / "out"
-    res = run_recipe("dogcat", backend, dogcat_dir, out, "--image-size", "32", "--batch-size", "4",
-                     "--max-steps", "2", "--lr", "0.001")
+    res = run_recipe(
+        "dogcat",
+        backend,
+        dogcat_dir,
+        out,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--lr",
+        "0.001",
+    )
     metrics = check_outputs(res, out, backend, WORLD[backend])
     model = vgg16_for_dogcat(weights=out / "best.pth")  # our own 2-class file loads as --weights
     ref = evaluate_state_dict(model, load_dogcat(dogcat_dir, 32)[1])

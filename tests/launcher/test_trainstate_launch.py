@@ -51,16 +51,20 @@ def test_resume_is_bitwise_exact(case, optim):
     assert torch.equal(r["rng_A"], r["rng_B"]), f"{name}: the RNG did not continue identically"
     assert r["counters_A"] == r["counters_B"]
     assert r["loaded_model_diff"] == 0.0 and r["loaded_optimizer_diff"] == 0.0, "loaded state differs from the file"
-    assert r["engine_A"] == r["engine_B"] and r["engine_loaded"] == r["info"]["meta"]["step"] if r["engine_A"] \
-        is not None else True
+    assert (
+        r["engine_A"] == r["engine_B"] and r["engine_loaded"] == r["info"]["meta"]["step"]
+        if r["engine_A"] is not None
+        else True
+    )
 
 
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_optimizer_state_is_whole_and_matches_ddp(case, optim, tmp_path_factory):
     name, out = case
     state = torch.load(out / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
-    reference = torch.load(run_case("ddp", tmp_path_factory) / optim / "checkpoints" / "step-00000003" / "state.pt",
-                           weights_only=True)
+    reference = torch.load(
+        run_case("ddp", tmp_path_factory) / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True
+    )
     opt, ref = state["optimizer"], reference["optimizer"]
     names = list(state["model"])
     assert sorted(opt["state"]) == sorted(names) and sorted(opt["param_groups"][0]["params"]) == sorted(names)
@@ -73,8 +77,10 @@ def test_optimizer_state_is_whole_and_matches_ddp(case, optim, tmp_path_factory)
             err = max_diff(mine, theirs) / max(float(theirs.abs().max()), 1e-12)
             assert err <= REL_TOL, f"{name}: {n}.{k} differs from ddp's by {err:.2e} (relative)"
     assert _rel(state["model"], reference["model"]) <= REL_TOL
-    groups = [{k: v for k, v in g.items() if k in ("lr", "momentum", "weight_decay", "betas", "initial_lr")}
-              for g in opt["param_groups"]]
+    groups = [
+        {k: v for k, v in g.items() if k in ("lr", "momentum", "weight_decay", "betas", "initial_lr")}
+        for g in opt["param_groups"]
+    ]
     assert groups == [{k: v for k, v in g.items() if k in groups[0]} for g in ref["param_groups"]]
     portable = torch.load(out / f"result-{optim}.pt", weights_only=True)["portable"]
     assert portable is not None and len(portable["state"]) == len(names)  # backend.save's form: whole too

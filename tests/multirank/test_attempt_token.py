@@ -27,7 +27,7 @@ def agree(port: int, world: int, delays: dict[int, float], timeout_s: float = 20
         client = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
         try:
             results[r] = attempt_token(client, r, world, dt.timedelta(seconds=timeout_s))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:
             results[r] = e
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
@@ -41,8 +41,9 @@ def agree(port: int, world: int, delays: dict[int, float], timeout_s: float = 20
 @pytest.fixture
 def store():
     port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False,
-                           timeout=dt.timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", port, 1, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30)
+    )
     yield port, server
 
 

@@ -37,8 +37,7 @@ def one_pass(sampler: ShardedSampler) -> list[int]:
 @pytest.mark.parametrize("size", [1, 5, 23])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_dataset_index_puts_gathered_rows_in_dataset_order(world, size, shuffle):
-    samplers = [ShardedSampler(range(size), num_replicas=world, rank=r, shuffle=shuffle, seed=7)
-                for r in range(world)]
+    samplers = [ShardedSampler(range(size), num_replicas=world, rank=r, shuffle=shuffle, seed=7) for r in range(world)]
     for epoch in range(3):  # every pass has its own order
         if epoch == 2:
             for s in samplers:
@@ -156,8 +155,11 @@ class ThreadBackend(Backend):
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         parts = self.meeting.exchange(self.rank, tensor.clone())
-        return {"sum": lambda: torch.stack(parts).sum(0), "max": lambda: torch.stack(parts).amax(0),
-                "min": lambda: torch.stack(parts).amin(0)}[op]()
+        return {
+            "sum": lambda: torch.stack(parts).sum(0),
+            "max": lambda: torch.stack(parts).amax(0),
+            "min": lambda: torch.stack(parts).amin(0),
+        }[op]()
 
     def barrier(self) -> None:
         self.meeting.exchange(self.rank, None)
@@ -225,8 +227,14 @@ def test_gather_in_order_in_a_world_of_three():
 
 def _bn_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(64, 5), nn.BatchNorm1d(5, momentum=None))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64, 5),
+        nn.BatchNorm1d(5, momentum=None),
+    )
 
 
 def test_generic_sync_batchnorm_matches_one_process_on_the_whole_batch():

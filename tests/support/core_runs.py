@@ -24,8 +24,9 @@ def core_run(case: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
         if source is not None:
             extra = [*extra, "--load-from", str(core_run(source, tmp_path_factory)[0] / "trainstate")]
         out = tmp_path_factory.mktemp(f"core-{case}")
-        res = launch(launcher, ["tests/support/core_worker.py", "--backend", backend, "--out", str(out), *extra],
-                     timeout=420)
+        res = launch(
+            launcher, ["tests/support/core_worker.py", "--backend", backend, "--out", str(out), *extra], timeout=420
+        )
         assert res.returncode == 0, f"{launcher} core job of {case} failed (exit {res.returncode}):\n{res.tail(80)}"
         _RUNS[case] = (out, res)
     return _RUNS[case]

@@ -91,8 +91,14 @@ def main() -> int:
     backend = parallelx.from_args(args)
     backend.init()
     r, w = backend.rank, backend.world_size
-    report: dict = {"rank": r, "world_size": w, "device": str(backend.device), "name": backend.name,
-                    "detected": parallelx.detect_backend(), "local_rank": backend.local_rank}
+    report: dict = {
+        "rank": r,
+        "world_size": w,
+        "device": str(backend.device),
+        "name": backend.name,
+        "detected": parallelx.detect_backend(),
+        "local_rank": backend.local_rank,
+    }
 
     if args.scenario == "raise":
         # A model and optimizer are set up (process group, engine, Gloo threads all alive) when rank 1 fails.
@@ -138,8 +144,8 @@ def main() -> int:
     for s in range(STEPS):
         for key, model, opt, sched, seed in (("a", model_a, opt_a, sched_a, 0), ("b", model_b, opt_b, sched_b, 1)):
             xs, ys = data[seed]
-            x = xs[s, r * per_rank:(r + 1) * per_rank].to(backend.device)
-            y = ys[s, r * per_rank:(r + 1) * per_rank].to(backend.device)
+            x = xs[s, r * per_rank : (r + 1) * per_rank].to(backend.device)
+            y = ys[s, r * per_rank : (r + 1) * per_rank].to(backend.device)
             loss = loss_fn(model(x), y)
             # Model a: the backend finds the model itself; model b: named explicitly.
             backend.backward(loss) if key == "a" else backend.backward(loss, model=model)
@@ -171,13 +177,18 @@ def main() -> int:
     # 4. sampler: shards per epoch, with no set_epoch call
     items = list(range(DATASET_SIZE))
     sampler = backend.make_sampler(items, shuffle=True, seed=1)
-    report["sampler"] = {"epoch0": list(iter(sampler)), "epoch1": list(iter(sampler)),
-                         "num_real": sampler.num_real, "len": len(sampler)}
+    report["sampler"] = {
+        "epoch0": list(iter(sampler)),
+        "epoch1": list(iter(sampler)),
+        "num_real": sampler.num_real,
+        "len": len(sampler),
+    }
 
     # 5. exact metrics over a padded eval shard, no position bookkeeping; two passes, one MetricSums each
     eval_sampler = backend.make_sampler(items, shuffle=False)
-    loader = torch.utils.data.DataLoader(torch.arange(DATASET_SIZE, dtype=torch.float64), batch_size=5,
-                                         sampler=eval_sampler)
+    loader = torch.utils.data.DataLoader(
+        torch.arange(DATASET_SIZE, dtype=torch.float64), batch_size=5, sampler=eval_sampler
+    )
     for _ in range(2):
         sums = MetricSums(eval_sampler)
         for chunk in loader:

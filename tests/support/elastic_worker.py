@@ -50,8 +50,14 @@ def main() -> None:
     attempts = 0
 
     def record(event: str, **fields: Any) -> None:
-        fields.update(event=event, pid=os.getpid(), attempt=attempts, rank=backend.rank, world=backend.world_size,
-                      time=time.time())
+        fields.update(
+            event=event,
+            pid=os.getpid(),
+            attempt=attempts,
+            rank=backend.rank,
+            world=backend.world_size,
+            time=time.time(),
+        )
         log_file.write(json.dumps(fields) + "\n")
 
     def train() -> dict[str, int]:
@@ -64,8 +70,9 @@ def main() -> None:
         counters = {"step": 0}
         path = parallelx.latest_checkpoint(args.run_dir)
         if path is not None:
-            counters = parallelx.load_training_state(backend, path, model=model, optimizer=optimizer,
-                                                     sampler=sampler)["counters"]
+            counters = parallelx.load_training_state(backend, path, model=model, optimizer=optimizer, sampler=sampler)[
+                "counters"
+            ]
         record("start", from_step=counters["step"], checkpoint=None if path is None else path.name)
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
         # The sampler's epoch is the truth: a checkpoint saved after an epoch's
@@ -78,18 +85,37 @@ def main() -> None:
                 backend.step(optimizer)
                 counters["step"] += 1
                 record("step", step=counters["step"], epoch=epoch, idx=idx.tolist())
-                if args.kill_step and attempts == 1 and backend.world_size == 2 and backend.rank == 1 \
-                        and counters["step"] == args.kill_step:
+                if (
+                    args.kill_step
+                    and attempts == 1
+                    and backend.world_size == 2
+                    and backend.rank == 1
+                    and counters["step"] == args.kill_step
+                ):
                     record("kill", step=counters["step"])
                     os.kill(os.getpid(), signal.SIGKILL)
                 if counters["step"] % args.commit_every == 0:
-                    parallelx.save_training_state(backend, args.run_dir, step=counters["step"], model=model,
-                                                  optimizer=optimizer, sampler=sampler, counters=counters)
+                    parallelx.save_training_state(
+                        backend,
+                        args.run_dir,
+                        step=counters["step"],
+                        model=model,
+                        optimizer=optimizer,
+                        sampler=sampler,
+                        counters=counters,
+                    )
                     record("commit", step=counters["step"])
                     backend.elastic_commit()
                 time.sleep(args.step_sleep)
-        parallelx.save_training_state(backend, args.run_dir, step=counters["step"], model=model,
-                                      optimizer=optimizer, sampler=sampler, counters=counters)
+        parallelx.save_training_state(
+            backend,
+            args.run_dir,
+            step=counters["step"],
+            model=model,
+            optimizer=optimizer,
+            sampler=sampler,
+            counters=counters,
+        )
         record("done", step=counters["step"])
         return counters
 

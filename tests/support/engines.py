@@ -24,8 +24,22 @@ import torch
 from launching import BIN, ROOT, rel_err
 
 N_TRAIN, N_TEST = 128, 32
-ARGS = ["--epochs", "2", "--batch-size", "16", "--num-workers", "0", "--lr", "0.05", "--accumulate", "2",
-        "--lr-schedule", "cosine", "--warmup-epochs", "0.5"]
+ARGS = [
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--num-workers",
+    "0",
+    "--lr",
+    "0.05",
+    "--accumulate",
+    "2",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-epochs",
+    "0.5",
+]
 TIMING = ("epoch_time_s", "train_images_per_s", "val_images_per_s")
 
 
@@ -38,22 +52,44 @@ def make_data(out: Path) -> Path:
 
 def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "RAY_ADDRESS"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "RAY_ADDRESS",
+    ):
         env.pop(key, None)
-    env.update(PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="60", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="lo", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        PARALLELX_TIMEOUT="60",
+        PYTHONFAULTHANDLER="1",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
     return env
 
 
-def run(cmd: list[str], env: dict[str, str], log: Path, *, timeout: float,
-        while_running: Callable[[subprocess.Popen], None] | None = None) -> tuple[int, str]:
+def run(
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    *,
+    timeout: float,
+    while_running: Callable[[subprocess.Popen], None] | None = None,
+) -> tuple[int, str]:
     """Run ``cmd`` in its own session, output to ``log``; (exit status, output).
     Past ``timeout`` the whole session is killed and the test fails with the tail."""
     with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     try:
         if while_running is not None:
             while_running(proc)
@@ -116,8 +152,9 @@ def assert_exact_metrics(out: Path, data: Path, backend: str, world: int = 2) ->
 
 
 def resumed_from(output: str) -> list[str]:
-    return [line.split("resuming from ", 1)[1].split(":", 1)[0]
-            for line in output.splitlines() if "resuming from " in line]
+    return [
+        line.split("resuming from ", 1)[1].split(":", 1)[0] for line in output.splitlines() if "resuming from " in line
+    ]
 
 
 def reference_run(data: Path, out: Path) -> Path:
@@ -127,8 +164,11 @@ def reference_run(data: Path, out: Path) -> Path:
     from parallelx.launch import free_port
 
     start = time.monotonic()
-    cmd = launcher_for("torchrun").command(["recipes/cifar10.py", "--backend", "ddp", "--data-dir", str(data),
-                                            "--out-dir", str(out), *ARGS], 2, port=free_port())
+    cmd = launcher_for("torchrun").command(
+        ["recipes/cifar10.py", "--backend", "ddp", "--data-dir", str(data), "--out-dir", str(out), *ARGS],
+        2,
+        port=free_port(),
+    )
     rc, output = run(cmd, job_env(), out.parent / "reference.log", timeout=120)
     assert rc == 0, output[-3000:]
     print(f"torchrun reference: {time.monotonic() - start:.1f}s")

@@ -31,14 +31,19 @@ OPTIMIZERS = ("sgd", "adamw")
 
 def unit_report(backend: parallelx.Backend) -> dict:
     """Which submodules each ``shard=`` choice shards on its own (the root always is)."""
+
     def model() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)),
-                             nn.BatchNorm1d(2))
+        return nn.Sequential(
+            nn.Linear(8, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)), nn.BatchNorm1d(2)
+        )
 
     out = {}
-    for label, options in (("auto", {}), ("types", {"shard": [nn.Linear]}),
-                           ("callable", {"shard": lambda m: isinstance(m, nn.Sequential)})):
+    for label, options in (
+        ("auto", {}),
+        ("types", {"shard": [nn.Linear]}),
+        ("callable", {"shard": lambda m: isinstance(m, nn.Sequential)}),
+    ):
         backend.shard = options.get("shard")  # type: ignore[attr-defined]  # read at each wrap_model
         wrapped = backend.wrap_model(model())
         out[label] = sorted(n or "<root>" for n, m in wrapped.named_modules() if isinstance(m, FSDPModule))
@@ -67,8 +72,10 @@ def main() -> int:
                 a = Run(backend, optim, dropout=0.0, noise=False)
                 a.train(3)
                 path = a.save(args.out / optim)
-                backend.save({"model": a.model, "optimizer": backend.named_optimizer_state(a.model, a.optimizer)},
-                             args.out / f"portable-{optim}.pt")
+                backend.save(
+                    {"model": a.model, "optimizer": backend.named_optimizer_state(a.model, a.optimizer)},
+                    args.out / f"portable-{optim}.pt",
+                )
                 a.train(2)
                 result.update(A=a.weights(), path=str(path))
             else:
@@ -78,8 +85,14 @@ def main() -> int:
             loaded = backend.model_state_dict(b.model)
             named = backend.named_optimizer_state(b.model, b.optimizer)
             b.train(2)
-            result.update(B=b.weights(), loaded=loaded, loaded_optimizer=named, meta=info["meta"],
-                          counters=b.counters, seen=b.seen)
+            result.update(
+                B=b.weights(),
+                loaded=loaded,
+                loaded_optimizer=named,
+                meta=info["meta"],
+                counters=b.counters,
+                seen=b.seen,
+            )
             if backend.is_main():
                 torch.save(result, args.out / f"result-{optim}.pt")
     return 0

@@ -35,8 +35,9 @@ ROWS = (5, 3)  # each rank's share of the BatchNorm batch: uneven on purpose
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 4 * 4, 5), nn.BatchNorm1d(5))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.BatchNorm1d(5)
+    )
 
 
 def bn_inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +118,8 @@ def batchnorm(backend: parallelx.Backend) -> dict[str, Any]:
     ref_grads = dict(reference.named_parameters())
     rep["grad_param_rel_err"] = max(
         max_err(backend.all_reduce(p.grad, "sum"), ref_grads[name].grad) / largest
-        for name, p in model.named_parameters())
+        for name, p in model.named_parameters()
+    )
     ref_state = reference.state_dict()
     rep["state_keys_same"] = list(model.state_dict()) == list(ref_state)
     rep["running_err"] = max(max_err(v.double(), ref_state[k].double()) for k, v in model.state_dict().items())
@@ -142,8 +144,13 @@ class Block(nn.Module):
 
     def __init__(self, c: int) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
-                                  nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+        self.body = nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x + self.body(x))
@@ -151,8 +158,15 @@ class Block(nn.Module):
 
 def tiny_resnet() -> nn.Module:
     torch.manual_seed(2)
-    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(), Block(6),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        Block(6),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 4),
+    )
 
 
 def bn_data(n: int, seed: int) -> TensorDataset:
@@ -161,8 +175,13 @@ def bn_data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, 3, 8, 8, generator=g) * 2 + 1, torch.randint(0, 4, (n,), generator=g))
 
 
-def evaluate(model: nn.Module, loader: DataLoader, sums: parallelx.MetricSums, device: torch.device,
-             backend: parallelx.Backend | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    sums: parallelx.MetricSums,
+    device: torch.device,
+    backend: parallelx.Backend | None = None,
+) -> dict[str, float]:
     """Loss and accuracy over ``loader``: global over the ranks when ``backend`` is given."""
     model.eval()
     with torch.no_grad():
@@ -194,14 +213,20 @@ def bn_buffers(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
 
     def validate(model: nn.Module, tag: str) -> None:
         sampler = backend.make_sampler(val, shuffle=False)
-        rep[f"{tag}_dist"] = evaluate(model, DataLoader(val, batch_size=5, sampler=sampler),
-                                      parallelx.MetricSums(sampler), backend.device, backend)
+        rep[f"{tag}_dist"] = evaluate(
+            model,
+            DataLoader(val, batch_size=5, sampler=sampler),
+            parallelx.MetricSums(sampler),
+            backend.device,
+            backend,
+        )
         rep[f"{tag}_spread"] = buffer_spread(backend, model)
         backend.save({"model": model}, out / f"bn-{tag}.pth")
         saved = tiny_resnet()
         saved.load_state_dict(torch.load(out / f"bn-{tag}.pth", weights_only=True)["model"])
-        rep[f"{tag}_one_process"] = evaluate(saved, DataLoader(val, batch_size=7), parallelx.MetricSums(),
-                                                torch.device("cpu"))
+        rep[f"{tag}_one_process"] = evaluate(
+            saved, DataLoader(val, batch_size=7), parallelx.MetricSums(), torch.device("cpu")
+        )
 
     model, opt, sched, sampler = setup()
     for _ in range(2):  # the plain loop: optimizer.step() by hand
@@ -212,12 +237,26 @@ def bn_buffers(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
             opt.zero_grad()
         sched.step()
     validate(model, "trained")
-    parallelx.save_training_state(backend, out / "bn-run", step=1, model=model, optimizer=opt, scheduler=sched,
-                                  sampler=sampler, counters={"epoch": 2})
+    parallelx.save_training_state(
+        backend,
+        out / "bn-run",
+        step=1,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        sampler=sampler,
+        counters={"epoch": 2},
+    )
 
     model, opt, sched, sampler = setup()
-    parallelx.load_training_state(backend, parallelx.latest_checkpoint(out / "bn-run"), model=model, optimizer=opt,
-                                  scheduler=sched, sampler=sampler)
+    parallelx.load_training_state(
+        backend,
+        parallelx.latest_checkpoint(out / "bn-run"),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        sampler=sampler,
+    )
     rep["loaded_spread"] = buffer_spread(backend, model)
     for x, y in backend.batches(DataLoader(train, batch_size=4, sampler=sampler)):  # the loop through backend.step
         loss = nn.functional.cross_entropy(model(x.to(backend.device)).float(), y.to(backend.device))
@@ -235,8 +274,9 @@ def buffer_cost(backend: parallelx.Backend) -> dict[str, float]:
     import statistics
     import time
 
-    from parallelx.buffers import sync_buffers
     from torchvision.models import resnet18
+
+    from parallelx.buffers import sync_buffers
 
     model = resnet18(num_classes=10)
     wrapped, opt = backend.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -269,8 +309,13 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with parallelx.from_args(args) as backend:
-        report = {"rank": backend.rank, "world_size": backend.world_size,
-                  "gather": gathering(backend), "batchnorm": batchnorm(backend), "buffers": bn_buffers(backend, out)}
+        report = {
+            "rank": backend.rank,
+            "world_size": backend.world_size,
+            "gather": gathering(backend),
+            "batchnorm": batchnorm(backend),
+            "buffers": bn_buffers(backend, out),
+        }
         (out / f"rank{backend.rank}.json").write_text(json.dumps(report))
     return 0
 

@@ -57,19 +57,29 @@ def launcher_for(launcher: str) -> Launcher:
     return backend_class(_BY_LAUNCHER[launcher]).launcher
 
 
-def launch(launcher: str, target: list[str], *, nproc: int = 2, timeout: float = 240,
-           env: dict[str, str] | None = None) -> Result:
+def launch(
+    launcher: str, target: list[str], *, nproc: int = 2, timeout: float = 240, env: dict[str, str] | None = None
+) -> Result:
     """Run ``target`` (``["-m", "mod", ...]`` or ``["file.py", ...]``) under ``launcher``."""
-    done = runner.launch(launcher_for(launcher), target, nproc, timeout=timeout, cwd=ROOT,
-                         env={"PARALLELX_TIMEOUT": "120", **(env or {})})
+    done = runner.launch(
+        launcher_for(launcher),
+        target,
+        nproc,
+        timeout=timeout,
+        cwd=ROOT,
+        env={"PARALLELX_TIMEOUT": "120", **(env or {})},
+    )
     if done.timed_out:
-        pytest.fail(f"{launcher} job hung for more than {timeout:.0f}s and was killed:\n"
-                    + "\n".join(done.output.splitlines()[-40:]))
+        pytest.fail(
+            f"{launcher} job hung for more than {timeout:.0f}s and was killed:\n"
+            + "\n".join(done.output.splitlines()[-40:])
+        )
     return Result(done.returncode, done.output, done.seconds)
 
 
-def run_with_grace(cmd: list[str], *, timeout: float, grace: float, what: str,
-                   env: dict[str, str] | None = None) -> tuple[int, str]:
+def run_with_grace(
+    cmd: list[str], *, timeout: float, grace: float, what: str, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run a program that drives launches of its own (a benchmark, the GPU
     check) and return ``(exit status, output)``.  Past ``timeout`` it gets
     SIGTERM first, so that it can take down the launch it is running and write
@@ -91,8 +101,9 @@ def require_launcher(launcher: str) -> None:
 
 
 # ------------------------------------------- jobs that are acted on while they run
-def wait_for(predicate: Callable[[], bool], procs: subprocess.Popen | list[subprocess.Popen], what: str,
-             timeout: float = 120) -> None:
+def wait_for(
+    predicate: Callable[[], bool], procs: subprocess.Popen | list[subprocess.Popen], what: str, timeout: float = 120
+) -> None:
     """Poll ``predicate`` until it holds; fail the test if a launcher in
     ``procs`` ends first, or after ``timeout`` seconds."""
     procs = procs if isinstance(procs, list) else [procs]

@@ -36,11 +36,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import parallelx  # noqa: E402
-from parallelx.errors import ParallelxError  # noqa: E402
-from recipes.engine import make_scheduler  # noqa: E402
+import parallelx
+from parallelx.errors import ParallelxError
+from recipes.engine import make_scheduler
 
-B = 4            # samples per rank per micro-batch
+B = 4  # samples per rank per micro-batch
 FEATURES = 8
 LOSS_SCALE = 50.0  # gradient norms in the tens: clipping at 1.0 is active at every step
 LR = 0.05
@@ -89,7 +89,7 @@ def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> list[tuple
     out = []
     for start in range(0, len(x), world * B):
         lo = start + rank * B
-        out.append((x[lo:lo + B], y[lo:lo + B]))
+        out.append((x[lo : lo + B], y[lo : lo + B]))
     return out
 
 
@@ -101,8 +101,9 @@ def criterion(out: torch.Tensor, y: torch.Tensor, scale: float = LOSS_SCALE) -> 
     return nn.functional.cross_entropy(out.float(), y) * scale
 
 
-def reference(work: Work, world: int, accumulate: int, clip: float | None,
-              dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+def reference(
+    work: Work, world: int, accumulate: int, clip: float | None, dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """One process, the global batch of every micro-step (all ranks' rows), plain torch."""
     model = model_fn()
     opt = make_optimizer(model, work.lr)
@@ -114,7 +115,7 @@ def reference(work: Work, world: int, accumulate: int, clip: float | None,
     windows = [list(range(s, min(s + accumulate, micro_batches))) for s in range(0, micro_batches, accumulate)]
     for window in windows:
         for t in window:
-            xs, ys = x[t * step_rows:(t + 1) * step_rows], y[t * step_rows:(t + 1) * step_rows]
+            xs, ys = x[t * step_rows : (t + 1) * step_rows], y[t * step_rows : (t + 1) * step_rows]
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = criterion(model(xs), ys, work.loss_scale)
             (loss / len(window)).backward()
@@ -156,8 +157,9 @@ class GridCase:
 
     @property
     def name(self) -> str:
-        return f"clip={self.clip_name} warmup={self.warmup} {self.schedule} accumulate={self.accumulate} " \
-               f"{self.precision}"
+        return (
+            f"clip={self.clip_name} warmup={self.warmup} {self.schedule} accumulate={self.accumulate} {self.precision}"
+        )
 
     @property
     def clip(self) -> float | None:
@@ -165,8 +167,12 @@ class GridCase:
 
     @property
     def options(self) -> dict[str, Any]:
-        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip, "precision": self.precision,
-                "grad_compression": "none"}
+        return {
+            "accumulate": self.accumulate,
+            "clip_grad_norm": self.clip,
+            "precision": self.precision,
+            "grad_compression": "none",
+        }
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -199,8 +205,9 @@ def grid_cases() -> list[GridCase]:
     for c, k in itertools.product(range(4), range(4)):
         accumulate, precision = GRID_WINDOWS[k]
         cases.append(GridCase(clips[c], GRID_WARMUPS[c ^ k], GRID_SCHEDULES[c ^ double[k]], accumulate, precision))
-    for clip, kind, (warmup, accumulate) in itertools.product(("always", "some"), ("constant", "cosine", "step"),
-                                                              ((8, 1), (3, 3))):
+    for clip, kind, (warmup, accumulate) in itertools.product(
+        ("always", "some"), ("constant", "cosine", "step"), ((8, 1), (3, 3))
+    ):
         case = GridCase(clip, warmup, kind, accumulate, "32")
         if case not in cases:
             cases.append(case)
@@ -219,10 +226,19 @@ def run_grid(backend: parallelx.Backend) -> tuple[dict[str, Any], dict[str, dict
         got = train(backend, shard(x, y, r, w), work=work)
         ref, ref_norms, ref_lrs = reference(work, w, case.accumulate, case.clip, case.dtype)
         weights[case.name] = got["weights"]
-        report[case.name] = {"rel_err": rel_err(got["weights"], ref), "norms": got["norms"], "ref_norms": ref_norms,
-                             "lrs": got["lrs"], "ref_lrs": ref_lrs, "clip": case.clip, "clip_name": case.clip_name,
-                             "precision": case.precision, "accumulate": case.accumulate, "warmup": case.warmup,
-                             "steps": case.steps}
+        report[case.name] = {
+            "rel_err": rel_err(got["weights"], ref),
+            "norms": got["norms"],
+            "ref_norms": ref_norms,
+            "lrs": got["lrs"],
+            "ref_lrs": ref_lrs,
+            "clip": case.clip,
+            "clip_name": case.clip_name,
+            "precision": case.precision,
+            "accumulate": case.accumulate,
+            "warmup": case.warmup,
+            "steps": case.steps,
+        }
     return report, weights
 
 
@@ -244,12 +260,23 @@ class CollectiveCounter:
         if backend_name == "deepspeed":
             import deepspeed.comm as dscomm
 
-            targets += [(dscomm, n) for n in dir(dscomm) if "reduce" in n and callable(getattr(dscomm, n))
-                        and not n.startswith("_") and n[0].islower()]
+            targets += [
+                (dscomm, n)
+                for n in dir(dscomm)
+                if "reduce" in n and callable(getattr(dscomm, n)) and not n.startswith("_") and n[0].islower()
+            ]
         import torch.distributed as dist
 
-        targets += [(dist, n) for n in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor",
-                                        "all_reduce_coalesced", "_reduce_scatter_base")]
+        targets += [
+            (dist, n)
+            for n in (
+                "all_reduce",
+                "reduce_scatter",
+                "reduce_scatter_tensor",
+                "all_reduce_coalesced",
+                "_reduce_scatter_base",
+            )
+        ]
         for mod, name in targets:
             original = getattr(mod, name, None)
             if original is None:
@@ -261,6 +288,7 @@ class CollectiveCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return fn(*args, **kwargs)
+
         return counted
 
     def ddp_hook(self) -> Any:
@@ -271,6 +299,7 @@ class CollectiveCounter:
         def hook(state, bucket):  # type: ignore[no-untyped-def]
             self.count += 1
             return default_hooks.allreduce_hook(state, bucket)
+
         return hook
 
     def close(self) -> None:
@@ -278,8 +307,14 @@ class CollectiveCounter:
             setattr(mod, name, original)
 
 
-def train(backend: parallelx.Backend, batches: Any, *, counter: CollectiveCounter | None = None,
-          limit: int | None = None, work: Work = Work(0)) -> dict[str, Any]:
+def train(
+    backend: parallelx.Backend,
+    batches: Any,
+    *,
+    counter: CollectiveCounter | None = None,
+    limit: int | None = None,
+    work: Work = Work(0),
+) -> dict[str, Any]:
     """Train a fresh model on ``batches`` (``work``'s LR, schedule and loss
     scale; its micro-batch count is the loader's)."""
     model = backend.wrap_model(model_fn())
@@ -302,8 +337,15 @@ def train(backend: parallelx.Backend, batches: Any, *, counter: CollectiveCounte
             norms.append(float(result.grad_norm))
             lrs.append(opt.param_groups[0]["lr"])
     weights = backend.model_state_dict(model)
-    return {"weights": weights, "total": counter.count if counter else 0, "norms": norms, "lrs": lrs,
-            "inside": inside, "micro": micro, "losses": losses}
+    return {
+        "weights": weights,
+        "total": counter.count if counter else 0,
+        "norms": norms,
+        "lrs": lrs,
+        "inside": inside,
+        "micro": micro,
+        "losses": losses,
+    }
 
 
 def main() -> None:
@@ -331,8 +373,9 @@ def main() -> None:
         }
         for name, (steps, opts, dtype) in cases.items():
             try:
-                backend.set_options(**{"accumulate": 1, "clip_grad_norm": None, "precision": "32",
-                                       "grad_compression": "none", **opts})
+                backend.set_options(
+                    **{"accumulate": 1, "clip_grad_norm": None, "precision": "32", "grad_compression": "none", **opts}
+                )
             except ParallelxError as exc:
                 rep[name] = {"error": str(exc)}
                 continue
@@ -343,18 +386,25 @@ def main() -> None:
             finally:
                 if counter:
                     counter.close()
-            ref, ref_norms, ref_lrs = reference(Work(steps), w, opts.get("accumulate", 1),
-                                                opts.get("clip_grad_norm"), dtype)
+            ref, ref_norms, ref_lrs = reference(
+                Work(steps), w, opts.get("accumulate", 1), opts.get("clip_grad_norm"), dtype
+            )
             torch.save(got["weights"], args.out / f"{name}-rank{r}.pt")
             rep[name] = {
                 "rel_err": rel_err(got["weights"], ref),
-                "norms": got["norms"], "ref_norms": ref_norms, "lrs": got["lrs"], "ref_lrs": ref_lrs,
-                "inside": got["inside"], "total": got["total"], "micro": got["micro"], "losses": got["losses"],
+                "norms": got["norms"],
+                "ref_norms": ref_norms,
+                "lrs": got["lrs"],
+                "ref_lrs": ref_lrs,
+                "inside": got["inside"],
+                "total": got["total"],
+                "micro": got["micro"],
+                "losses": got["losses"],
             }
         # Uneven inputs: rank r has 3 + 2r micro-batches, as a list and as a generator (no len()).
         backend.set_options(accumulate=2, clip_grad_norm=None, precision="32", grad_compression="none")
         x, y = global_data(3 + 2 * (w - 1), w)
-        mine = shard(x, y, r, w)[:3 + 2 * r]
+        mine = shard(x, y, r, w)[: 3 + 2 * r]
         rep["uneven-list"] = {"micro": train(backend, mine)["micro"]}
         got = train(backend, (b for b in mine))
         rep["uneven-iterable"] = {"micro": got["micro"], "norms": got["norms"]}

@@ -12,8 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-HISTORY_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "train_images_per_s",
-                   "val_images_per_s", "lr", "grad_norm", "optimizer_steps", "skipped_steps"]
+HISTORY_COLUMNS = [
+    "epoch",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "epoch_time_s",
+    "train_images_per_s",
+    "val_images_per_s",
+    "lr",
+    "grad_norm",
+    "optimizer_steps",
+    "skipped_steps",
+]
 OUTPUT_FILES = ["best.pth", "history.csv", "last.pth", "metrics.json", "training_results.png"]
 
 
@@ -42,8 +54,9 @@ def check_outputs(res, out: Path, backend: str, world: int, epochs: int = 1) -> 
     return metrics
 
 
-def check_cifar_metrics(metrics: dict, out: Path, data_dir: Path, n_test: int, epochs: int = 1,
-                        precision: str = "32") -> None:
+def check_cifar_metrics(
+    metrics: dict, out: Path, data_dir: Path, n_test: int, epochs: int = 1, precision: str = "32"
+) -> None:
     """The reported best val accuracy is exactly what one process computes from best.pth (under
     the run's autocast, as the recipe evaluates): the padding duplicates of the distributed
     sampler are left out of every figure."""

@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import parallelx.trainstate  # noqa: E402
-import recipes.engine  # noqa: E402
-from parallelx.protocol import Backend  # noqa: E402
+import parallelx.trainstate
+import recipes.engine
+from parallelx.protocol import Backend
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or "0")

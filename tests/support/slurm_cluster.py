@@ -67,8 +67,9 @@ def unavailable() -> str | None:
         return "the test Slurm runs its daemons as root (slurmd starts jobs as their user); not root here"
     missing = [p for p in PROGRAMS if shutil.which(p) is None]
     if missing:
-        return (f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge, which scripts/setup.sh "
-                "does as root)")
+        return (
+            f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge, which scripts/setup.sh does as root)"
+        )
     return None
 
 
@@ -93,12 +94,18 @@ class SlurmCluster:
         """``sbatch args`` and wait for the job: (final state, exit status).  Polls
         ``scontrol`` every 0.2 s: ``sbatch --wait`` polls at growing intervals
         and returned 24 s after a 16 s job here."""
-        job = subprocess.run(["sbatch", "--parsable", *args], env=env, capture_output=True, text=True, check=True,
-                             cwd=env.get("PWD")).stdout.strip().split(";")[0]
+        job = (
+            subprocess.run(
+                ["sbatch", "--parsable", *args], env=env, capture_output=True, text=True, check=True, cwd=env.get("PWD")
+            )
+            .stdout.strip()
+            .split(";")[0]
+        )
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            info = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True,
-                                  text=True, check=False).stdout
+            info = subprocess.run(
+                ["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, check=False
+            ).stdout
             fields = dict(f.split("=", 1) for f in info.split() if "=" in f)
             if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
                 return fields["JobState"], int(fields.get("ExitCode", "0:0").split(":")[0])
@@ -114,12 +121,29 @@ class SlurmCluster:
         key = munge / "munge.key"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key), "--force"], check=True, capture_output=True)
         key.chmod(0o400)
-        self._spawn(["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-                     f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-                     f"--seed-file={munge / 'munged.seed'}"], "munged")
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            "munged",
+        )
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket", munge / "munged.log")
-        self.conf.write_text(CONF.format(root=self.root, ctld_port=free_port(), slurmd_port=free_port(),
-                                         munge_socket=self.munge_socket, cpus=CPUS))
+        self.conf.write_text(
+            CONF.format(
+                root=self.root,
+                ctld_port=free_port(),
+                slurmd_port=free_port(),
+                munge_socket=self.munge_socket,
+                cpus=CPUS,
+            )
+        )
         env = self.env()
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld", env)
         self._spawn(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)], "slurmd", env)
@@ -128,8 +152,7 @@ class SlurmCluster:
 
     def _spawn(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> None:
         log = open(self.root / f"{name}.out", "w")
-        self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True))
+        self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         log.close()
 
     def _idle(self) -> bool:

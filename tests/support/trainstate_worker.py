@@ -54,8 +54,16 @@ class Run:
     """One model, optimizer, scheduler, sampler and loader, and a loop that
     can stop and continue anywhere (its counters say where)."""
 
-    def __init__(self, backend: parallelx.Backend, optim: str, *, init_seed: int = 0, hidden: int = 16,
-                 dropout: float = 0.2, noise: bool = True) -> None:
+    def __init__(
+        self,
+        backend: parallelx.Backend,
+        optim: str,
+        *,
+        init_seed: int = 0,
+        hidden: int = 16,
+        dropout: float = 0.2,
+        noise: bool = True,
+    ) -> None:
         self.noise = noise
         torch.manual_seed(init_seed)
         model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 4))
@@ -65,8 +73,9 @@ class Run:
         self.sampler = backend.make_sampler(dataset(), shuffle=True, seed=1)
         # Its own generator: each iter(loader) draws a seed, which must not come
         # from the global RNG (a resumed run starts one iterator more).
-        self.loader = DataLoader(dataset(), batch_size=BATCH, sampler=self.sampler,
-                                 generator=torch.Generator().manual_seed(LOADER_SEED))
+        self.loader = DataLoader(
+            dataset(), batch_size=BATCH, sampler=self.sampler, generator=torch.Generator().manual_seed(LOADER_SEED)
+        )
         self.counters = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "samples_seen": 0}
         self.seen: list[int] = []  # dataset indices this rank trained on
         self._batches = None
@@ -99,13 +108,28 @@ class Run:
                 self.counters["step_in_epoch"] = 0
 
     def save(self, directory: Path, **kw: Any) -> Path:
-        return parallelx.save_training_state(self.backend, directory, step=self.counters["global_step"],
-                                             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                             sampler=self.sampler, counters=self.counters, loader_seed=LOADER_SEED, **kw)
+        return parallelx.save_training_state(
+            self.backend,
+            directory,
+            step=self.counters["global_step"],
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            counters=self.counters,
+            loader_seed=LOADER_SEED,
+            **kw,
+        )
 
     def load(self, path: Path) -> dict[str, Any]:
-        info = parallelx.load_training_state(self.backend, path, model=self.model, optimizer=self.optimizer,
-                                             scheduler=self.scheduler, sampler=self.sampler)
+        info = parallelx.load_training_state(
+            self.backend,
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+        )
         self.counters = dict(info["counters"])
         return info
 
@@ -152,8 +176,9 @@ def main() -> None:
             a.train(SAVE_AT)
             path = a.save(args.out / optim)
             a.train(MORE)
-            result.update(A=a.weights(), rng_A=torch.rand(4), engine_A=engine_steps(a.optimizer),
-                          counters_A=dict(a.counters))
+            result.update(
+                A=a.weights(), rng_A=torch.rand(4), engine_A=engine_steps(a.optimizer), counters_A=dict(a.counters)
+            )
             result.update(resume(backend, path, "B"))
             if backend.is_main():
                 torch.save(result, args.out / f"result-{optim}.pt")
@@ -170,21 +195,32 @@ def resume(backend: parallelx.Backend, path: Path, tag: str) -> dict[str, Any]:
     that what was loaded is what the file holds, train ``MORE`` steps."""
     optim = parallelx.trainstate._optimizer_type
     saved = torch.load(path / "state.pt", weights_only=True)
-    run = Run(backend, "sgd" if saved["meta"]["optimizer"] == "SGD" else "adamw", init_seed=99, dropout=0.0, noise=False)
+    run = Run(
+        backend, "sgd" if saved["meta"]["optimizer"] == "SGD" else "adamw", init_seed=99, dropout=0.0, noise=False
+    )
     assert optim(run.optimizer) == saved["meta"]["optimizer"]
     info = run.load(path)
     loaded = backend.named_optimizer_state(run.model, run.optimizer)
     out = {
-        "loaded_optimizer_diff": max_diff({k: loaded[k] for k in ("state", "param_groups")},
-                                          {k: saved["optimizer"][k] for k in ("state", "param_groups")}),
+        "loaded_optimizer_diff": max_diff(
+            {k: loaded[k] for k in ("state", "param_groups")},
+            {k: saved["optimizer"][k] for k in ("state", "param_groups")},
+        ),
         "loaded_model_diff": max_diff(run.weights(), saved["model"]),
         "engine_loaded": engine_steps(run.optimizer),
         "info": info,
         "path": str(path),
     }
     run.train(MORE)
-    out.update({tag: run.weights(), f"rng_{tag}": torch.rand(4), f"engine_{tag}": engine_steps(run.optimizer),
-                f"counters_{tag}": dict(run.counters), "portable": backend.optimizer_state_dict(run.optimizer)})
+    out.update(
+        {
+            tag: run.weights(),
+            f"rng_{tag}": torch.rand(4),
+            f"engine_{tag}": engine_steps(run.optimizer),
+            f"counters_{tag}": dict(run.counters),
+            "portable": backend.optimizer_state_dict(run.optimizer),
+        }
+    )
     return out
 
 

@@ -35,8 +35,23 @@ def smoke(tmp_path_factory):
         pytest.skip(missing)
     out = tmp_path_factory.mktemp("bench")
     parts = "ddp,horovod,deepspeed,scaling"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--mode", "smoke", "--control", "ddp", "--only", parts,
-           "--out-dir", str(out / "results"), "--raw", str(out / "raw.json"), "--work-dir", str(out / "work")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--mode",
+        "smoke",
+        "--control",
+        "ddp",
+        "--only",
+        parts,
+        "--out-dir",
+        str(out / "results"),
+        "--raw",
+        str(out / "raw.json"),
+        "--work-dir",
+        str(out / "work"),
+    ]
     # 15 s of grace: the orchestrator then kills the launch it is running.
     rc, output = run_with_grace(cmd, timeout=RUN_TIMEOUT_S, grace=15, what="benchmarks.run --mode smoke")
     assert rc == 0, f"benchmarks.run --mode smoke exited {rc}:\n{output[-6000:]}"
@@ -86,8 +101,9 @@ def test_parallelx_final_weights_equal_the_plain_scripts(smoke):
     nproc = result["meta"]["machine"]["nproc"]
     compared = [c for c in result["comparisons"] if c["max_abs_weight_diff"] is not None]
     for family in FAMILIES:
-        assert any(c["impl"] == f"px-{family}" and c["nproc"] == nproc for c in compared), \
+        assert any(c["impl"] == f"px-{family}" and c["nproc"] == nproc for c in compared), (
             f"px-{family} weights were not compared"
+        )
     for c in compared:
         assert c["weights_passed"], f"{c['impl']} vs {c['baseline']} on {c['case_id']}: {c['max_abs_weight_diff']}"
 
@@ -118,8 +134,20 @@ def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
     if why := unavailable("ddp"):
         pytest.skip(why)
     out, work = tmp_path / "results", tmp_path / "work"
-    cmd = [sys.executable, "-m", "benchmarks.loops", "--smoke", "--only", "single,ddp-acc4-bf16",
-           "--out-dir", str(out), "--raw", str(tmp_path / "raw.json"), "--work-dir", str(work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.loops",
+        "--smoke",
+        "--only",
+        "single,ddp-acc4-bf16",
+        "--out-dir",
+        str(out),
+        "--raw",
+        str(tmp_path / "raw.json"),
+        "--work-dir",
+        str(work),
+    ]
     rc, output = run_with_grace(cmd, timeout=120, grace=15, what="benchmarks.loops --smoke")
     assert rc == 0, f"benchmarks.loops --smoke exited {rc}:\n{output[-6000:]}"
     assert (out / "results.md").read_text().startswith("# Training-loop options")

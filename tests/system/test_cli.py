@@ -15,18 +15,21 @@ import parallelx
 
 
 def test_import_parallelx_imports_no_heavy_backend_package():
-    code = ("import sys, parallelx, parallelx.backends.horovod, parallelx.backends.deepspeed, "
-            "parallelx.registry as r\n"
-            "r.available_backends(); r.detect_backend({}, [])\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('horovod', 'deepspeed')]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, parallelx, parallelx.backends.horovod, parallelx.backends.deepspeed, "
+        "parallelx.registry as r\n"
+        "r.available_backends(); r.detect_backend({}, [])\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('horovod', 'deepspeed')]\n"
+        "assert not bad, bad\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_env_report_lists_every_backend():
-    proc = subprocess.run([sys.executable, "-m", "parallelx", "env"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelx", "env"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"torch       {torch.__version__}" in proc.stdout
     for name in ("single", "dp", "ddp", "horovod", "deepspeed"):
@@ -37,8 +40,23 @@ def test_env_report_lists_every_backend():
 def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
     import zipfile
 
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("parallelx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -50,16 +68,35 @@ def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
 
 def test_launch_command_comes_from_the_backends_declaration():
     for name in ("ddp", "horovod", "deepspeed", "single"):
-        proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", name, "-n", "3", "--dry-run", "--",
-                               "-m", "recipes.cifar10", "--epochs", "1"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "parallelx",
+                "launch",
+                name,
+                "-n",
+                "3",
+                "--dry-run",
+                "--",
+                "-m",
+                "recipes.cifar10",
+                "--epochs",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
-        expected = parallelx.backend_class(name).launcher.command(["-m", "recipes.cifar10", "--epochs", "1",
-                                                                   "--backend", name],
-                                                                  3 if name != "single" else 1, port=1)
+        expected = parallelx.backend_class(name).launcher.command(
+            ["-m", "recipes.cifar10", "--epochs", "1", "--backend", name], 3 if name != "single" else 1, port=1
+        )
         got = proc.stdout.split()
         # Same command but for the free port each call picks.
         assert [w for w in got if not w.isdigit()] == [w for w in expected if not w.isdigit()], got
-    proc = subprocess.run([sys.executable, "-m", "parallelx", "launch", "ddp"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelx", "launch", "ddp"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 2 and "nothing to launch" in proc.stderr and "Traceback" not in proc.stderr

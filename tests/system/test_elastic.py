@@ -29,6 +29,7 @@ import parallelx
 
 SAMPLES, BATCH, EPOCHS, COMMIT_EVERY = 64, 4, 2, 3
 
+
 def test_run_elastic_calls_train_once_outside_an_elastic_run() -> None:
     calls = []
     backend = parallelx.get_backend("single")
@@ -48,16 +49,47 @@ def elastic_job(tmp: Path, worker_args: list[str], while_running=None, timeout: 
     discover.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
     discover.chmod(0o755)
     (tmp / "logs").mkdir()
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(discover), "--gloo", "--network-interface", "lo",
-           str(BIN / "python"), "tests/support/elastic_worker.py", "--run-dir", str(tmp / "run"),
-           "--log-dir", str(tmp / "logs"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-           "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", GLOO_SOCKET_IFNAME="lo",
-               PARALLELX_TIMEOUT="60", HOROVOD_ELASTIC_TIMEOUT="30",
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        str(BIN / "horovodrun"),
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "--max-np",
+        "2",
+        "--host-discovery-script",
+        str(discover),
+        "--gloo",
+        "--network-interface",
+        "lo",
+        str(BIN / "python"),
+        "tests/support/elastic_worker.py",
+        "--run-dir",
+        str(tmp / "run"),
+        "--log-dir",
+        str(tmp / "logs"),
+        "--samples",
+        str(SAMPLES),
+        "--batch-size",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--commit-every",
+        str(COMMIT_EVERY),
+        *worker_args,
+    ]
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PARALLELX_TIMEOUT="60",
+        HOROVOD_ELASTIC_TIMEOUT="30",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         if while_running is not None:
             while_running(tmp / "logs")
@@ -101,10 +133,16 @@ def check_survived(tmp: Path, rc: int, out: str) -> dict[str, float]:
     assert min(r["step"] for r in new) == committed + 1
     # Every sample of each epoch exactly once: the old world's committed steps, then the new world's.
     for epoch in range(EPOCHS):
-        seen = Counter(i for r in old + new if r["epoch"] == epoch and (r["attempt"] == 2 or r["step"] <= committed)
-                       for i in r["idx"])
-        assert seen == Counter(range(SAMPLES)), f"epoch {epoch}: samples missing or repeated: " \
+        seen = Counter(
+            i
+            for r in old + new
+            if r["epoch"] == epoch and (r["attempt"] == 2 or r["step"] <= committed)
+            for i in r["idx"]
+        )
+        assert seen == Counter(range(SAMPLES)), (
+            f"epoch {epoch}: samples missing or repeated: "
             f"{sorted(set(range(SAMPLES)) - set(seen))} missing, {[i for i, n in seen.items() if n > 1]} repeated"
+        )
     # The final training state is on disk, written by the world of one.
     done = [r for r in records if r["event"] == "done"]
     assert [r["pid"] for r in done] == [survivor]
@@ -125,8 +163,7 @@ def test_worker_killing_itself_does_not_end_the_job(tmp_path: Path) -> None:
     times = check_survived(tmp_path, rc, out)
     resumed = [r for r in read_records(tmp_path / "logs") if r["event"] == "start" and r["attempt"] == 2]
     assert resumed[0]["from_step"] == 3
-    print(f"elastic job with a kill from inside: {time.monotonic() - start:.1f}s, "
-          f"recovery {times['recovery_s']:.1f}s")
+    print(f"elastic job with a kill from inside: {time.monotonic() - start:.1f}s, recovery {times['recovery_s']:.1f}s")
 
 
 @pytest.mark.launcher
@@ -146,8 +183,7 @@ def test_worker_killed_from_outside_does_not_end_the_job(tmp_path: Path) -> None
     start = time.monotonic()
     rc, out = elastic_job(tmp_path, ["--step-sleep", "0.1"], while_running=kill_rank0)
     times = check_survived(tmp_path, rc, out)
-    print(f"elastic job with a kill from outside: {time.monotonic() - start:.1f}s, "
-          f"recovery {times['recovery_s']:.1f}s")
+    print(f"elastic job with a kill from outside: {time.monotonic() - start:.1f}s, recovery {times['recovery_s']:.1f}s")
 
 
 @pytest.mark.launcher
@@ -165,15 +201,55 @@ def test_the_recipe_survives_a_killed_worker(tmp_path):
     discover.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
     discover.chmod(0o755)
     out = tmp_path / "out"
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-           str(discover), "--gloo", "--network-interface", "lo", str(BIN / "python"), "tests/support/resume_wrapper.py",
-           "--backend", "horovod", "--data-dir", str(data), "--out-dir", str(out), "--epochs", "2",
-           "--batch-size", "16", "--num-workers", "0", "--checkpoint-every", "2"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", PARALLELX_TIMEOUT="60",
-               HOROVOD_ELASTIC_TIMEOUT="30", PXT_ACTIONS="0:kill@3:1",
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=120, start_new_session=True)
+    cmd = [
+        str(BIN / "horovodrun"),
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "--max-np",
+        "2",
+        "--host-discovery-script",
+        str(discover),
+        "--gloo",
+        "--network-interface",
+        "lo",
+        str(BIN / "python"),
+        "tests/support/resume_wrapper.py",
+        "--backend",
+        "horovod",
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--num-workers",
+        "0",
+        "--checkpoint-every",
+        "2",
+    ]
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PARALLELX_TIMEOUT="60",
+        HOROVOD_ELASTIC_TIMEOUT="30",
+        PXT_ACTIONS="0:kill@3:1",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "resume_wrapper: rank 1 attempt 0: SIGKILL after step 3" in proc.stdout
     assert "resuming from " in proc.stdout and "step-00000002" in proc.stdout, proc.stdout[-4000:]

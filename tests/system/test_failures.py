@@ -14,13 +14,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("launcher,backend", [("torchrun", "ddp"), ("horovodrun", "horovod"),
-                                              ("deepspeed", "deepspeed")])
+@pytest.mark.parametrize(
+    "launcher,backend", [("torchrun", "ddp"), ("horovodrun", "horovod"), ("deepspeed", "deepspeed")]
+)
 def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
     require_launcher(launcher)
     # Rank 1 raises with its model and optimizer set up (process group, engine, threads alive).
-    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
-                            "--scenario", "raise"], timeout=180)
+    res = launch(
+        launcher,
+        ["tests/support/dist_worker.py", "--backend", backend, "--out", str(tmp_path), "--scenario", "raise"],
+        timeout=180,
+    )
     assert res.returncode != 0
     assert "rank 1 fails on purpose" in res.output
     # It ends with its Python error, not a native abort after the traceback.
@@ -32,8 +36,21 @@ def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
 def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
     require_launcher(launcher)
     # Rank 1 sleeps 120 s; rank 0's all_reduce must give up after the 5 s timeout.
-    res = launch(launcher, ["tests/support/dist_worker.py", "--backend", backend, "--out", str(tmp_path),
-                            "--scenario", "stall", "--timeout", "5"], timeout=110)
+    res = launch(
+        launcher,
+        [
+            "tests/support/dist_worker.py",
+            "--backend",
+            backend,
+            "--out",
+            str(tmp_path),
+            "--scenario",
+            "stall",
+            "--timeout",
+            "5",
+        ],
+        timeout=110,
+    )
     assert res.returncode != 0
     report = json.loads((tmp_path / "stall0.json").read_text())
     assert report["waited"] < 60, report
@@ -41,10 +58,13 @@ def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
 
 
 def run_worker(args: list[str], prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    code = prelude + "\nimport runpy, sys\nsys.argv = ['dist_worker.py'] + sys.argv[1:]\n" \
-                     "runpy.run_path('tests/support/dist_worker.py', run_name='__main__')\n"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env=env)
+    code = (
+        prelude + "\nimport runpy, sys\nsys.argv = ['dist_worker.py'] + sys.argv[1:]\n"
+        "runpy.run_path('tests/support/dist_worker.py', run_name='__main__')\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env
+    )
 
 
 def test_unknown_backend_lists_the_valid_ones(tmp_path):
@@ -56,8 +76,9 @@ def test_unknown_backend_lists_the_valid_ones(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("backend,hint", [("horovod", "scripts/build_horovod.py"),
-                                          ("deepspeed", "pip install 'deepspeed")])
+@pytest.mark.parametrize(
+    "backend,hint", [("horovod", "scripts/build_horovod.py"), ("deepspeed", "pip install 'deepspeed")]
+)
 def test_missing_package_gives_the_install_command(backend, hint, tmp_path):
     proc = run_worker(["--backend", backend, "--out", str(tmp_path)], prelude=BLOCK_BACKEND_PACKAGES)
     assert proc.returncode == 2, proc.stderr

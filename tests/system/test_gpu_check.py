@@ -41,8 +41,9 @@ def load_script(name: str) -> ModuleType:
         return importlib.import_module(name)
     path = ROOT / "scripts" / name
     if path.is_dir():
-        spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
-                                                      submodule_search_locations=[str(path)])
+        spec = importlib.util.spec_from_file_location(
+            name, path / "__init__.py", submodule_search_locations=[str(path)]
+        )
     else:
         spec = importlib.util.spec_from_file_location(name, path.with_suffix(".py"))
     module = importlib.util.module_from_spec(spec)
@@ -52,6 +53,7 @@ def load_script(name: str) -> ModuleType:
 
 
 # ------------------------------------------------------------- the dry run
+
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
@@ -63,8 +65,15 @@ def dry_run(tmp_path_factory):
             pytest.fail(f"{missing}; run scripts/setup.sh")
         pytest.skip(missing)
     tmp = tmp_path_factory.mktemp("gpu-check")
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp / "out"),
-           "--work", str(tmp / "work")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "gpu_check.py"),
+        "--dry-run",
+        "--out",
+        str(tmp / "out"),
+        "--work",
+        str(tmp / "work"),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     # 20 s of grace: the check then kills the launch it is running and writes its report.
     rc, output = run_with_grace(cmd, timeout=DRY_RUN_TIMEOUT_S, grace=20, what="gpu_check.py --dry-run", env=env)
@@ -129,6 +138,7 @@ def test_cuda_only_checks_are_listed_as_skipped(dry_run):
 
 
 # -------------------------------------------------- the check's machinery
+
 
 def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
     machinery = load_script("gpu_check.check")
@@ -200,12 +210,16 @@ def test_gpu_check_sh_parses():
 
 # ------------------------------------------------------- the wheels folder
 
+
 def _fill(folder: Path, gpu_wheels: ModuleType) -> None:
     """Empty stand-ins for every file gpu_wheels.py would fetch."""
     folder.mkdir(exist_ok=True)
     for d in gpu_wheels.DISTS:
-        name = {"build": f"{d.stem}-py3-none-any.whl", "sdist": f"{d.stem}.tar.gz",
-                "download": f"{d.stem}-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"}[d.how]
+        name = {
+            "build": f"{d.stem}-py3-none-any.whl",
+            "sdist": f"{d.stem}.tar.gz",
+            "download": f"{d.stem}-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        }[d.how]
         (folder / name).write_bytes(b"x" * 1000)
     (folder / "parallelx-0.2.0-py3-none-any.whl").write_bytes(b"x" * 1000)
 
@@ -255,7 +269,7 @@ def test_download_command_asks_for_cpython_312_manylinux_binaries_only(tmp_path)
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("--implementation") + 1] == "cp"
     assert "manylinux2014_x86_64" in cmd and "manylinux_2_28_x86_64" in cmd
     assert cmd[cmd.index("-d") + 1] == str(tmp_path)
-    assert set(cmd[cmd.index("-d") + 2:]) == {d.requirement for d in downloads}
+    assert set(cmd[cmd.index("-d") + 2 :]) == {d.requirement for d in downloads}
     assert {"pydantic==2.14.4", "pydantic-core==2.50.5", "hjson==3.1.0", "cffi==2.1.1"} <= set(cmd)
     # DeepSpeed is built here (pure Python, no ops), with this interpreter's torch.
     build = gpu_wheels.build_command(next(d for d in gpu_wheels.DISTS if d.name == "deepspeed"), tmp_path, "python")

@@ -58,23 +58,62 @@ def cifar_dir(tmp_path_factory) -> Path:
 
 def torchrun_nodes(target: list[str], port: int, tmp_path: Path) -> list[list[str]]:
     # c10d rendezvous: both agents meet at one endpoint and number the nodes themselves.
-    return [[resolve_program("torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"parallelx-{port}", *target]
-            for _ in HOSTS]
+    return [
+        [
+            resolve_program("torchrun"),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"parallelx-{port}",
+            *target,
+        ]
+        for _ in HOSTS
+    ]
 
 
 def horovodrun_nodes(target: list[str], port: int, tmp_path: Path) -> list[list[str]]:
     # One horovodrun starts every node's processes (over ssh for remote hosts).
-    return [[resolve_program("horovodrun"), "-np", "2", "-H", ",".join(f"{h}:1" for h in HOSTS), "--gloo",
-             "--network-interface", "lo", sys.executable, *target]]
+    return [
+        [
+            resolve_program("horovodrun"),
+            "-np",
+            "2",
+            "-H",
+            ",".join(f"{h}:1" for h in HOSTS),
+            "--gloo",
+            "--network-interface",
+            "lo",
+            sys.executable,
+            *target,
+        ]
+    ]
 
 
 def deepspeed_nodes(target: list[str], port: int, tmp_path: Path) -> list[list[str]]:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=1\n" for h in HOSTS))
-    return [[resolve_program("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
-             "--master_addr", "127.0.0.1", "--master_port", str(port), *target]
-            for rank in range(len(HOSTS))]
+    return [
+        [
+            resolve_program("deepspeed"),
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            *target,
+        ]
+        for rank in range(len(HOSTS))
+    ]
 
 
 @dataclass(frozen=True)
@@ -90,14 +129,20 @@ CASES = {
     "torchrun": Case("ddp", ["-m", "recipes.cifar10"], torchrun_nodes),
     "horovodrun": Case("horovod", ["-m", "recipes.cifar10"], horovodrun_nodes),
     # The deepspeed launcher takes a script path, as the README shows.
-    "deepspeed": Case("deepspeed", ["recipes/cifar10.py"], deepspeed_nodes,
-                      node_log="nnodes=2, num_local_procs=1, node_rank={rank}"),
+    "deepspeed": Case(
+        "deepspeed", ["recipes/cifar10.py"], deepspeed_nodes, node_log="nnodes=2, num_local_procs=1, node_rank={rank}"
+    ),
 }
 
 
-def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float, *,
-              while_running: Callable[[list[subprocess.Popen]], None] | None = None,
-              wait_all: bool = False) -> list[Result]:
+def run_nodes(
+    cmds: list[list[str]],
+    env: dict[str, str],
+    timeout: float,
+    *,
+    while_running: Callable[[list[subprocess.Popen]], None] | None = None,
+    wait_all: bool = False,
+) -> list[Result]:
     """Start every command at once, each in its own session, and wait for all.
     A node that fails leaves the others waiting for it in a collective: they
     are killed at once (unless ``wait_all``: a test that stops a node on
@@ -110,8 +155,11 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float, *,
     hung = False
     try:
         for cmd, log in zip(cmds, logs):
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+                )
+            )
         if while_running is not None:
             while_running(procs)
         while any(p.poll() is None for p in procs):
@@ -152,9 +200,15 @@ def tails(results: list[Result]) -> str:
 
 def node_env() -> dict[str, str]:
     """What ``launching.launch`` gives its jobs, plus the loopback interface."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PARALLELX_TIMEOUT": "120", "PYTHONFAULTHANDLER": "1",
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PARALLELX_TIMEOUT": "120",
+        "PYTHONFAULTHANDLER": "1",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -169,9 +223,23 @@ def one_machine(cifar_dir, tmp_path_factory) -> Path:
     two-node run's reference."""
     require_launcher("torchrun")
     out = tmp_path_factory.mktemp("one") / "out"
-    ref = launch("torchrun", ["-m", "recipes.cifar10", "--backend", "ddp", "--data-dir", str(cifar_dir),
-                              "--out-dir", str(out), *RECIPE_ARGS], nproc=2, timeout=NODE_TIMEOUT_S,
-                 env={"OMP_NUM_THREADS": "1"})
+    ref = launch(
+        "torchrun",
+        [
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "ddp",
+            "--data-dir",
+            str(cifar_dir),
+            "--out-dir",
+            str(out),
+            *RECIPE_ARGS,
+        ],
+        nproc=2,
+        timeout=NODE_TIMEOUT_S,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert ref.returncode == 0, f"one-machine torchrun exited {ref.returncode}:\n{ref.tail()}"
     return out / "best.pth"
 
@@ -182,8 +250,16 @@ def test_two_nodes_train_what_one_machine_trains(launcher, cifar_dir, one_machin
     case = CASES[launcher]
 
     def args(out: Path) -> list[str]:
-        return [*case.target, "--backend", case.backend, "--data-dir", str(cifar_dir), "--out-dir", str(out),
-                *RECIPE_ARGS]
+        return [
+            *case.target,
+            "--backend",
+            case.backend,
+            "--data-dir",
+            str(cifar_dir),
+            "--out-dir",
+            str(out),
+            *RECIPE_ARGS,
+        ]
 
     port = free_port()
     try:
@@ -216,9 +292,23 @@ def uninterrupted(cifar_dir, tmp_path_factory) -> Path:
     """last.pth of the uninterrupted one-machine ddp run of the survival tests."""
     require_launcher("torchrun")
     out = tmp_path_factory.mktemp("uninterrupted") / "out"
-    ref = launch("torchrun", ["-m", "recipes.cifar10", "--backend", "ddp", "--data-dir", str(cifar_dir),
-                              "--out-dir", str(out), *SURVIVAL_ARGS], nproc=2, timeout=NODE_TIMEOUT_S,
-                 env={"OMP_NUM_THREADS": "1"})
+    ref = launch(
+        "torchrun",
+        [
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "ddp",
+            "--data-dir",
+            str(cifar_dir),
+            "--out-dir",
+            str(out),
+            *SURVIVAL_ARGS,
+        ],
+        nproc=2,
+        timeout=NODE_TIMEOUT_S,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert ref.returncode == 0, ref.tail()
     return out / "last.pth"
 
@@ -241,8 +331,14 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
        by torchrun: within 1e-6 relative of it, as across backends)."""
     if backend == "deepspeed":
         require_launcher("deepspeed")
-    args = ["--data-dir", str(cifar_dir), *SURVIVAL_ARGS, "--backend", backend,
-            *(["--zero-stage", "2"] if backend == "deepspeed" else [])]
+    args = [
+        "--data-dir",
+        str(cifar_dir),
+        *SURVIVAL_ARGS,
+        "--backend",
+        backend,
+        *(["--zero-stage", "2"] if backend == "deepspeed" else []),
+    ]
 
     out, pids = tmp_path / "two", tmp_path / "pids"
     target = ["tests/support/resume_wrapper.py", *args, "--out-dir", str(out), "--resume", "auto"]
@@ -253,8 +349,7 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
     events: dict[str, int] = {}
 
     def kill_then_preempt(procs: list[subprocess.Popen]) -> None:
-        wait_for(lambda: latest_step(out) >= 2 and (pids / "rank1-attempt0.pid").exists(), procs,
-                 "a first checkpoint")
+        wait_for(lambda: latest_step(out) >= 2 and (pids / "rank1-attempt0.pid").exists(), procs, "a first checkpoint")
         os.kill(int((pids / "rank1-attempt0.pid").read_text()), signal.SIGKILL)
         events["killed_after"] = latest_step(out)
         wait_for(lambda: latest_step(out) >= 4, procs, "a checkpoint after the restart")
@@ -285,5 +380,7 @@ def test_two_nodes_survive_a_kill_and_a_preemption_and_resume(backend, cifar_dir
         err = rel_err(two, one)
         assert err < 1e-6, f"deepspeed ZeRO-2 on two nodes, resumed, vs ddp uninterrupted: {err:.3g} relative"
         outcome = f"{err:.3g} relative from ddp's"
-    print(f"two nodes, {backend}: killed after checkpoint step {events['killed_after']}, preempted at step {saved}, "
-          f"resumed: last.pth {outcome} ({first[0].seconds:.0f}s + {second[0].seconds:.0f}s)")
+    print(
+        f"two nodes, {backend}: killed after checkpoint step {events['killed_after']}, preempted at step {saved}, "
+        f"resumed: last.pth {outcome} ({first[0].seconds:.0f}s + {second[0].seconds:.0f}s)"
+    )

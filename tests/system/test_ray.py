@@ -22,16 +22,47 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
 
 
 def test_ray_train_workers_replaced_after_a_kill_resume_bitwise_and_deepspeed_matches(
-        engine_data, engine_reference, tmp_path):
+    engine_data, engine_reference, tmp_path
+):
     pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install 'parallelx[ray]')")
     ddp, ds, pids, storage = tmp_path / "ddp", tmp_path / "deepspeed", tmp_path / "pids", tmp_path / "ray"
     common = ["-n", "2", "--cpus-per-worker", "1", "--storage", str(storage), "--timeout", "120"]
     jobs = [
-        [*common, "--name", "ddp", "--max-failures", "1", "tests/support/resume_wrapper.py", "--backend", "ddp",
-         "--data-dir", str(engine_data), "--out-dir", str(ddp), "--checkpoint-every", "1", "--resume", "auto",
-         *ARGS],
-        [*common, "--name", "deepspeed", "-m", "recipes.cifar10", "--backend", "deepspeed", "--zero-stage", "2",
-         "--data-dir", str(engine_data), "--out-dir", str(ds), *ARGS],
+        [
+            *common,
+            "--name",
+            "ddp",
+            "--max-failures",
+            "1",
+            "tests/support/resume_wrapper.py",
+            "--backend",
+            "ddp",
+            "--data-dir",
+            str(engine_data),
+            "--out-dir",
+            str(ddp),
+            "--checkpoint-every",
+            "1",
+            "--resume",
+            "auto",
+            *ARGS,
+        ],
+        [
+            *common,
+            "--name",
+            "deepspeed",
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "deepspeed",
+            "--zero-stage",
+            "2",
+            "--data-dir",
+            str(engine_data),
+            "--out-dir",
+            str(ds),
+            *ARGS,
+        ],
     ]
     killed = {}
 
@@ -43,10 +74,20 @@ def test_ray_train_workers_replaced_after_a_kill_resume_bitwise_and_deepspeed_ma
 
     # The controller polls its workers every 0.5 s instead of 2 (how soon a finished or dead worker is seen);
     # no preemption watcher (one actor less to start).
-    env = job_env(PXT_DELAY="0.3", PXT_PIDS=str(pids), RAY_USAGE_STATS_ENABLED="0",
-                  RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5", RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0")
-    rc, output = run([sys.executable, str(ROOT / "tests/support/ray_driver.py"), json.dumps(jobs)], env,
-                     tmp_path / "driver.log", timeout=280, while_running=kill_a_worker)
+    env = job_env(
+        PXT_DELAY="0.3",
+        PXT_PIDS=str(pids),
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5",
+        RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0",
+    )
+    rc, output = run(
+        [sys.executable, str(ROOT / "tests/support/ray_driver.py"), json.dumps(jobs)],
+        env,
+        tmp_path / "driver.log",
+        timeout=280,
+        while_running=kill_a_worker,
+    )
     timing = [ln for ln in output.splitlines() if ln.startswith("ray_driver:")]
     print("\n".join(timing))
     assert rc == 0, output[-5000:]

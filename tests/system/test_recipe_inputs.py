@@ -18,8 +18,14 @@ pytestmark = pytest.mark.timeout(180)
 
 def recipe(recipe: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", f"recipes.{recipe}", "--backend", "single", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=170, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", f"recipes.{recipe}", "--backend", "single", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=170,
+        env=full_env,
+    )
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -74,8 +80,21 @@ def test_unreadable_images_are_skipped_and_counted(small_dogcat, tmp_path):
     (data / "train" / "cat.100.jpg").write_text("this is not a JPEG")
     good = (data / "train" / "dog.0.jpg").read_bytes()
     (data / "train" / "dog.100.jpg").write_bytes(good[: len(good) // 2])  # truncated download
-    proc = recipe("dogcat", "--data-dir", str(data), "--image-size", "32", "--batch-size", "4", "--max-steps", "1",
-                  "--epochs", "1", "--out-dir", str(tmp_path / "out"))
+    proc = recipe(
+        "dogcat",
+        "--data-dir",
+        str(data),
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "1",
+        "--epochs",
+        "1",
+        "--out-dir",
+        str(tmp_path / "out"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipped 2 unreadable image file(s)" in proc.stderr
     assert "cat.100.jpg" in proc.stderr and "dog.100.jpg" in proc.stderr
@@ -112,8 +131,11 @@ def test_image_size_too_small_for_vgg16(small_dogcat, capsys):
 def test_pretrained_without_network_says_what_to_do(small_dogcat, tmp_path):
     # A proxy on a closed port makes the download fail at once, network or not.
     env = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "TORCH_HOME": str(tmp_path)}
-    assert_clean_error(recipe("dogcat", "--data-dir", str(small_dogcat), "--image-size", "32", "--pretrained", env=env),
-                       "could not download the ImageNet VGG16 weights", "--weights PATH")
+    assert_clean_error(
+        recipe("dogcat", "--data-dir", str(small_dogcat), "--image-size", "32", "--pretrained", env=env),
+        "could not download the ImageNet VGG16 weights",
+        "--weights PATH",
+    )
 
 
 def test_local_imagenet_weights_and_freezing(tmp_path):
@@ -172,8 +194,9 @@ def test_engine_loader_reshuffles_every_epoch_and_workers_are_per_process():
     backend = parallelx.get_backend("single")
     backend.init()
     data = torch.utils.data.TensorDataset(torch.arange(40), torch.zeros(40, dtype=torch.long))
-    loader = _loader(backend, data, FitConfig(epochs=2, batch_size=8, out_dir=Path("unused"), num_workers=0),
-                     train=True)
+    loader = _loader(
+        backend, data, FitConfig(epochs=2, batch_size=8, out_dir=Path("unused"), num_workers=0), train=True
+    )
     first = torch.cat([x for x, _ in loader]).tolist()
     second = torch.cat([x for x, _ in loader]).tolist()
     assert sorted(first) == sorted(second) == list(range(40)) and first != second
@@ -234,8 +257,7 @@ def test_error_in_a_loader_worker_arrives_as_its_own_message():
     backend = parallelx.get_backend("single")
     backend.init()
     data = _BrokenImages()
-    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=ShardedSampler(data, shuffle=False),
-                                         num_workers=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=ShardedSampler(data, shuffle=False), num_workers=1)
     with pytest.raises(ParallelxError) as raised:
         run_epoch(backend, torch.nn.Linear(5, 5), loader, torch.nn.CrossEntropyLoss(reduction="none"))
     assert str(raised.value) == "cannot decode img0.jpg (OSError: broken data stream)"

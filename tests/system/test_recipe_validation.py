@@ -70,8 +70,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     entry = pickle.loads(good, encoding="latin1")
     n = len(entry["labels"])
 
-    def cifar(name: str, file: str = "data_batch_1", *, raw: bytes | None = None, obj: object = None,
-              **changes: object) -> None:
+    def cifar(
+        name: str, file: str = "data_batch_1", *, raw: bytes | None = None, obj: object = None, **changes: object
+    ) -> None:
         folder = base / f"cifar_{name}"
         shutil.copytree(p["cifar"], folder)
         target = folder / CIFAR_DIR / file
@@ -201,8 +202,23 @@ def base_args(recipe: str, p: dict[str, Path], out: Path) -> list[str]:
     data = p["cifar"] if recipe == "cifar10" else p["dogcat"]
     extra = ["--image-size", "32"] if recipe == "dogcat" else []
     # Later options win in argparse: each case appends what it gets wrong.
-    return ["--backend", "single", "--device", "cpu", "--data-dir", str(data), "--out-dir", str(out),
-            "--epochs", "1", "--num-workers", "0", "--batch-size", "4", *extra]
+    return [
+        "--backend",
+        "single",
+        "--device",
+        "cpu",
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--epochs",
+        "1",
+        "--num-workers",
+        "0",
+        "--batch-size",
+        "4",
+        *extra,
+    ]
 
 
 def expect_clean_error(stderr: str, code: object, *needles: str) -> str:
@@ -258,8 +274,12 @@ OPTIONS = [
     ("image-size-0", "dogcat", ["--image-size", "0"], ["--image-size", "too small for VGG16"]),
     ("image-size-huge", "dogcat", ["--image-size", "100000"], ["--image-size", "too large", "at most 4096"]),
     ("image-size-word", "dogcat", ["--image-size", "big"], ["--image-size", "expected an integer"]),
-    ("weights-and-pretrained", "dogcat", ["--pretrained", "--weights", "{weights}/lenet.pth"],
-     ["either --pretrained or --weights"]),
+    (
+        "weights-and-pretrained",
+        "dogcat",
+        ["--pretrained", "--weights", "{weights}/lenet.pth"],
+        ["either --pretrained or --weights"],
+    ),
     ("zero-stage-9", "cifar10", ["--backend", "deepspeed", "--zero-stage", "9"], ["--zero-stage", "invalid choice"]),
 ]
 PATHS = [
@@ -281,26 +301,54 @@ PATHS = [
     ("weights-garbage", "dogcat", ["--weights", "{weights}/garbage.pth"], ["not a readable PyTorch file"]),
     ("weights-empty", "dogcat", ["--weights", "{weights}/empty.pth"], ["--weights", "is empty"]),
     ("weights-truncated", "dogcat", ["--weights", "{weights}/truncated.pth"], ["not a readable PyTorch file"]),
-    ("weights-pickled-object", "dogcat", ["--weights", "{weights}/pickled_object.pth"],
-     ["not a readable PyTorch file"]),
+    (
+        "weights-pickled-object",
+        "dogcat",
+        ["--weights", "{weights}/pickled_object.pth"],
+        ["not a readable PyTorch file"],
+    ),
     ("weights-a-tensor", "dogcat", ["--weights", "{weights}/tensor.pth"], ["holds a Tensor, not a state dict"]),
     ("weights-a-list", "dogcat", ["--weights", "{weights}/list.pth"], ["holds a list, not a state dict"]),
     ("weights-not-tensors", "dogcat", ["--weights", "{weights}/not_tensors.pth"], ["not a state dict"]),
     ("weights-lenet", "dogcat", ["--weights", "{weights}/lenet.pth"], ["not a VGG16 state dict"]),
     ("weights-vgg11", "dogcat", ["--weights", "{weights}/vgg11.pth"], ["not a VGG16 state dict", "missing"]),
-    ("weights-wrong-shapes", "dogcat", ["--weights", "{weights}/vgg16_wrong_shapes.pth"],
-     ["does not fit VGG16", "features.0.weight"]),
+    (
+        "weights-wrong-shapes",
+        "dogcat",
+        ["--weights", "{weights}/vgg16_wrong_shapes.pth"],
+        ["does not fit VGG16", "features.0.weight"],
+    ),
     ("weights-nan", "dogcat", ["--weights", "{weights}/vgg16_nan.pth"], ["nan or inf"]),
-    ("ds-config-missing", "cifar10", ["--backend", "deepspeed", "--deepspeed-config", "{base}/nope.json"],
-     ["does not exist"]),
-    ("ds-config-invalid-json", "cifar10", ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_invalid.json"],
-     ["not valid JSON"]),
-    ("ds-config-not-object", "dogcat", ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_list.json"],
-     ["must hold a JSON object"]),
-    ("ds-config-zero-not-object", "cifar10",
-     ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_zero_list.json"], ["zero_optimization"]),
-    ("ds-config-stage-7", "cifar10", ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_stage_7.json"],
-     ["stage must be 0, 1, 2 or 3"]),
+    (
+        "ds-config-missing",
+        "cifar10",
+        ["--backend", "deepspeed", "--deepspeed-config", "{base}/nope.json"],
+        ["does not exist"],
+    ),
+    (
+        "ds-config-invalid-json",
+        "cifar10",
+        ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_invalid.json"],
+        ["not valid JSON"],
+    ),
+    (
+        "ds-config-not-object",
+        "dogcat",
+        ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_list.json"],
+        ["must hold a JSON object"],
+    ),
+    (
+        "ds-config-zero-not-object",
+        "cifar10",
+        ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_zero_list.json"],
+        ["zero_optimization"],
+    ),
+    (
+        "ds-config-stage-7",
+        "cifar10",
+        ["--backend", "deepspeed", "--deepspeed-config", "{base}/ds_stage_7.json"],
+        ["stage must be 0, 1, 2 or 3"],
+    ),
 ]
 CIFAR_DATA = [
     ("cifar-missing-batch", "{cifar_no_batch3}", ["missing data_batch_3"]),
@@ -349,17 +397,31 @@ CATALOGUE = (
     + [pytest.param("cifar10", ["--data-dir", d], n, id=i) for i, d, n in CIFAR_DATA]
     + [pytest.param("dogcat", ["--data-dir", d], n, id=i) for i, d, n in DOGCAT_DATA]
     + [
-        pytest.param("dogcat", ["--data-dir", "{dogcat}", "--val-fraction", "0.95"], ["lower --val-fraction"],
-                     id="val-fraction-leaves-train-empty"),
+        pytest.param(
+            "dogcat",
+            ["--data-dir", "{dogcat}", "--val-fraction", "0.95"],
+            ["lower --val-fraction"],
+            id="val-fraction-leaves-train-empty",
+        ),
         pytest.param("make_data", ["cifar10", "--out", "{file}"], ["--out", "is a file"], id="make-data-out-file"),
-        pytest.param("make_data", ["dogcat", "--out", "{under_file}"], ["--out", "cannot be created"],
-                     id="make-data-out-under-file"),
-        pytest.param("make_data", ["cifar10", "--out", "{base}/x", "--train", "3"], ["--train", ">= 5"],
-                     id="make-data-train-3"),
-        pytest.param("make_data", ["dogcat", "--out", "{base}/x", "--per-class", "0"], ["--per-class", ">= 1"],
-                     id="make-data-per-class-0"),
-        pytest.param("make_data", ["dogcat", "--out", "{base}/x", "--seed=-4"], ["--seed"],
-                     id="make-data-seed-negative"),
+        pytest.param(
+            "make_data",
+            ["dogcat", "--out", "{under_file}"],
+            ["--out", "cannot be created"],
+            id="make-data-out-under-file",
+        ),
+        pytest.param(
+            "make_data", ["cifar10", "--out", "{base}/x", "--train", "3"], ["--train", ">= 5"], id="make-data-train-3"
+        ),
+        pytest.param(
+            "make_data",
+            ["dogcat", "--out", "{base}/x", "--per-class", "0"],
+            ["--per-class", ">= 1"],
+            id="make-data-per-class-0",
+        ),
+        pytest.param(
+            "make_data", ["dogcat", "--out", "{base}/x", "--seed=-4"], ["--seed"], id="make-data-seed-negative"
+        ),
     ]
 )
 
@@ -373,8 +435,9 @@ def test_bad_input_fails_before_training(recipe, extra, needles, inputs, tmp_pat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is valid here")
 def test_device_cuda_without_gpu(inputs, tmp_path, capsys):
-    run_in_process(capsys, "cifar10", base_args("cifar10", inputs, tmp_path / "out") + ["--device", "cuda"],
-                   "cuda", "--device cpu")
+    run_in_process(
+        capsys, "cifar10", base_args("cifar10", inputs, tmp_path / "out") + ["--device", "cuda"], "cuda", "--device cpu"
+    )
 
 
 def test_divergence_stops_training_with_an_error(inputs, tmp_path, capsys):
@@ -441,8 +504,11 @@ def test_weights_saved_from_a_wrapped_model_load(tmp_path):
     checked = check_vgg16_state(state, "test")
     assert set(checked) == set(shapes)
     # A 3-class head of the right width is accepted too: it is replaced.
-    three = {**_zeros_like_shapes(shapes), "classifier.6.weight": torch.zeros(3, 4096),
-             "classifier.6.bias": torch.zeros(3)}
+    three = {
+        **_zeros_like_shapes(shapes),
+        "classifier.6.weight": torch.zeros(3, 4096),
+        "classifier.6.bias": torch.zeros(3),
+    }
     assert check_vgg16_state({"model": three}, "test")["classifier.6.bias"].shape == (3,)
 
 
@@ -459,17 +525,42 @@ def test_end_to_end_option_error_is_one_line():
 
 def test_end_to_end_data_error_after_backend_init(inputs, tmp_path):
     # Fails in the data loader, inside `with backend:`: released, one line, status 2.
-    proc = run([sys.executable, "-m", "recipes.cifar10", "--backend", "single", "--data-dir",
-                str(inputs["cifar_label_12"]), "--out-dir", str(tmp_path / "out")])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "single",
+            "--data-dir",
+            str(inputs["cifar_label_12"]),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     expect_clean_error(proc.stderr, proc.returncode, "outside 0..9")
     assert not (tmp_path / "out").exists()
 
 
 def test_run_as_a_file_from_elsewhere(inputs, tmp_path):
     # As the deepspeed launcher runs a recipe: a file path, from any directory.
-    proc = run([sys.executable, str(ROOT / "recipes" / "dogcat.py"), "--backend", "single", "--data-dir",
-                str(inputs["dogcat"]), "--image-size", "32", "--weights", str(inputs["weights"] / "garbage.pth"),
-                "--out-dir", str(tmp_path / "out")], cwd=tmp_path)
+    proc = run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "dogcat.py"),
+            "--backend",
+            "single",
+            "--data-dir",
+            str(inputs["dogcat"]),
+            "--image-size",
+            "32",
+            "--weights",
+            str(inputs["weights"] / "garbage.pth"),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+    )
     expect_clean_error(proc.stderr, proc.returncode, "not a readable PyTorch file")
 
 
@@ -478,8 +569,10 @@ def test_installed_package_name(inputs, tmp_path):
 
     if importlib.util.find_spec("parallelx.recipes") is None:
         pytest.skip("parallelx is not installed (pip install -e .): parallelx.recipes is not importable")
-    proc = run([sys.executable, "-m", "parallelx.recipes.make_data", "dogcat", "--out", str(inputs["under_file"])],
-               cwd=tmp_path)
+    proc = run(
+        [sys.executable, "-m", "parallelx.recipes.make_data", "dogcat", "--out", str(inputs["under_file"])],
+        cwd=tmp_path,
+    )
     expect_clean_error(proc.stderr, proc.returncode, "--out", "cannot be created")
 
 
@@ -492,8 +585,20 @@ def test_data_error_under_torchrun_stops_every_rank(inputs, tmp_path):
     from launching import launch, require_launcher
 
     require_launcher("torchrun")
-    res = launch("torchrun", ["-m", "recipes.cifar10", "--backend", "ddp", "--data-dir",
-                              str(inputs["cifar_label_12"]), "--out-dir", str(tmp_path / "out")], timeout=150)
+    res = launch(
+        "torchrun",
+        [
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "ddp",
+            "--data-dir",
+            str(inputs["cifar_label_12"]),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        timeout=150,
+    )
     assert res.returncode != 0, res.tail()
     assert res.output.count("error: ") >= 2 and "outside 0..9" in res.output, res.tail()
     assert res.seconds < 90, f"the job took {res.seconds:.0f}s to stop"

@@ -37,8 +37,18 @@ from launching import BIN, ROOT, latest_step, launcher_for, rel_err, require_lau
 from parallelx.launch import free_port
 
 EPOCHS, N_TRAIN, N_TEST = 2, 256, 32
-ARGS = ["--epochs", str(EPOCHS), "--lr", "0.05", "--accumulate", "2", "--lr-schedule", "cosine",
-        "--warmup-epochs", "0.5"]
+ARGS = [
+    "--epochs",
+    str(EPOCHS),
+    "--lr",
+    "0.05",
+    "--accumulate",
+    "2",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-epochs",
+    "0.5",
+]
 # Across backends only the order of float additions in the gradient average differs (2.8e-8 measured).
 REL_TOL_BACKEND = 1e-6
 # Across world sizes the global batch is the same samples (2 x 16 or 1 x 32) but
@@ -58,27 +68,61 @@ def data(tmp_path_factory) -> Path:
     return out
 
 
-def job(launcher: str, args: list[str], out: Path, data: Path, *, nproc: int = 2, restarts: int | None = None,
-        batch: int = 16, workers: int = 0, env: dict[str, str] | None = None, timeout: float = 150,
-        while_running=None, wrapper: bool = True) -> tuple[int, str]:
+def job(
+    launcher: str,
+    args: list[str],
+    out: Path,
+    data: Path,
+    *,
+    nproc: int = 2,
+    restarts: int | None = None,
+    batch: int = 16,
+    workers: int = 0,
+    env: dict[str, str] | None = None,
+    timeout: float = 150,
+    while_running=None,
+    wrapper: bool = True,
+) -> tuple[int, str]:
     """Run the recipe (through the fault wrapper) under ``launcher``; return (exit status, output)."""
     require_launcher(launcher)
     spec = launcher_for(launcher)
     port = free_port()
     target = "tests/support/resume_wrapper.py" if wrapper else "recipes/cifar10.py"
-    cmd = spec.command([target, "--data-dir", str(data), "--out-dir", str(out), "--batch-size", str(batch),
-                        "--num-workers", str(workers), *ARGS, *args], nproc, port=port)
+    cmd = spec.command(
+        [
+            target,
+            "--data-dir",
+            str(data),
+            "--out-dir",
+            str(out),
+            "--batch-size",
+            str(batch),
+            "--num-workers",
+            str(workers),
+            *ARGS,
+            *args,
+        ],
+        nproc,
+        port=port,
+    )
     if restarts is not None:
         cmd[1:1] = ["--max-restarts", str(restarts)]
     full = dict(os.environ)
-    full.update(PYTHONUNBUFFERED="1", PARALLELX_TIMEOUT="60", PYTHONFAULTHANDLER="1",
-                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **spec.env(), **(env or {}))
+    full.update(
+        PYTHONUNBUFFERED="1",
+        PARALLELX_TIMEOUT="60",
+        PYTHONFAULTHANDLER="1",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        **spec.env(),
+        **(env or {}),
+    )
     log = out.parent / f"{out.name}-{time.monotonic_ns()}.log"
     # Output to a file: ranks live in sessions of their own (torchrun's) and a
     # pipe would stay open as long as any of them does.
     with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=full, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     try:
         if while_running is not None:
             while_running(proc)
@@ -134,8 +178,11 @@ def history(out: Path) -> list[dict[str, str]]:
 
 
 def resumed_from(output: str) -> list[str]:
-    return [line.split("resuming from ", 1)[1].split(":", 1)[0].rsplit("/", 1)[1]
-            for line in output.splitlines() if "resuming from " in line]
+    return [
+        line.split("resuming from ", 1)[1].split(":", 1)[0].rsplit("/", 1)[1]
+        for line in output.splitlines()
+        if "resuming from " in line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +201,21 @@ def test_torchrun_restarts_after_kills_anywhere_and_ends_bitwise_equal(data, ref
     its checkpoint file (epoch 1's last); attempt 2 loses rank 1 at the start of epoch 2's
     validation; attempt 3 finishes."""
     out = tmp_path / "out"
-    rc, output = job("torchrun", ["--checkpoint-every", "1", "--resume", "auto", "--keep-checkpoints", "2"], out,
-                     data, restarts=3, workers=1,
-                     env={"PXT_ACTIONS": "0:kill@3:1;1:write@4:0;2:val@2:1"})
+    rc, output = job(
+        "torchrun",
+        ["--checkpoint-every", "1", "--resume", "auto", "--keep-checkpoints", "2"],
+        out,
+        data,
+        restarts=3,
+        workers=1,
+        env={"PXT_ACTIONS": "0:kill@3:1;1:write@4:0;2:val@2:1"},
+    )
     assert rc == 0, output[-4000:]
-    for why in ("rank 1 attempt 0: SIGKILL after step 3", "rank 0 attempt 1: SIGKILL while writing",
-                "rank 1 attempt 2: SIGKILL at the start of validation pass 2"):
+    for why in (
+        "rank 1 attempt 0: SIGKILL after step 3",
+        "rank 0 attempt 1: SIGKILL while writing",
+        "rank 1 attempt 2: SIGKILL at the start of validation pass 2",
+    ):
         assert why in output, f"the fault was not injected: {why}"
     # Attempt 1 wrote step 3 and died writing step 4's state.pt: step 3 survived and was taken.
     assert resumed_from(output) == ["step-00000002", "step-00000003", "step-00000007"]
@@ -188,10 +244,17 @@ def test_dogcat_recipe_killed_from_outside_restarts_and_ends_bitwise_equal(tmp_p
         os.kill(int((pids / "rank1-attempt0.pid").read_text()), signal.SIGKILL)
 
     # One checkpoint kept: each holds VGG16's weights and momentum, about 1 GB.
-    rc, output = job("torchrun", [*args, "--checkpoint-every", "1", "--keep-checkpoints", "1", "--resume", "auto"],
-                     out, dogcat, batch=4, workers=1, restarts=1,
-                     env={**env, "PXT_DELAY": "0.5", "PXT_PIDS": str(pids)},
-                     while_running=kill_rank_1)
+    rc, output = job(
+        "torchrun",
+        [*args, "--checkpoint-every", "1", "--keep-checkpoints", "1", "--resume", "auto"],
+        out,
+        dogcat,
+        batch=4,
+        workers=1,
+        restarts=1,
+        env={**env, "PXT_DELAY": "0.5", "PXT_PIDS": str(pids)},
+        while_running=kill_rank_1,
+    )
     assert rc == 0, output[-4000:]
     assert (pids / "rank1-attempt1.pid").exists(), "the workers were not restarted"
     assert resumed_from(output) == ["step-00000001"], output[-3000:]  # mid-epoch
@@ -201,8 +264,14 @@ def test_dogcat_recipe_killed_from_outside_restarts_and_ends_bitwise_equal(tmp_p
 def test_deepspeed_backend_under_torchrun_survives_a_killed_rank(data, reference, tmp_path):
     require_launcher("deepspeed")
     out = tmp_path / "out"
-    rc, output = job("torchrun", ["--backend", "deepspeed", "--zero-stage", "2", "--checkpoint-every", "2",
-                                  "--resume", "auto"], out, data, restarts=1, env={"PXT_ACTIONS": "0:kill@6:1"})
+    rc, output = job(
+        "torchrun",
+        ["--backend", "deepspeed", "--zero-stage", "2", "--checkpoint-every", "2", "--resume", "auto"],
+        out,
+        data,
+        restarts=1,
+        env={"PXT_ACTIONS": "0:kill@6:1"},
+    )
     assert rc == 0, output[-4000:]
     assert "backend=deepspeed world_size=2" in output
     assert resumed_from(output) == ["step-00000004"]  # the epoch-1 end; step 6 died before its save
@@ -231,8 +300,9 @@ def test_fsdp_with_sharded_checkpoints_survives_a_kill_and_a_preemption(data, re
     assert all(torch.equal(a[k], b[k]) for k in b), f"last.pth differs from ddp's: {rel_err(a, b):.3g}"
     # Unclipped, fsdp takes the reported norm from its slices' squares: ddp's within 1e-6, not to the bit.
     mine, ref = history(out), history(reference)
-    assert [{k: v for k, v in r.items() if k != "grad_norm"} for r in mine] == \
-        [{k: v for k, v in r.items() if k != "grad_norm"} for r in ref]
+    assert [{k: v for k, v in r.items() if k != "grad_norm"} for r in mine] == [
+        {k: v for k, v in r.items() if k != "grad_norm"} for r in ref
+    ]
     assert [float(r["grad_norm"]) for r in mine] == pytest.approx([float(r["grad_norm"]) for r in ref], rel=1e-6)
 
 
@@ -277,13 +347,20 @@ def test_across_backends_zero3_then_horovod_then_ddp(data, reference, tmp_path):
         _, alive = psutil.wait_procs(tree, timeout=60)  # the runner dies at once; its workers save first
         assert not alive, "workers still running a minute after SIGTERM"
 
-    rc, output = job("deepspeed", ["--backend", "deepspeed", "--zero-stage", "3", "--checkpoint-every", "2",
-                                   "--resume", "auto"], out, data, env={"PXT_DELAY": "0.3"}, while_running=preempt)
+    rc, output = job(
+        "deepspeed",
+        ["--backend", "deepspeed", "--zero-stage", "3", "--checkpoint-every", "2", "--resume", "auto"],
+        out,
+        data,
+        env={"PXT_DELAY": "0.3"},
+        while_running=preempt,
+    )
     assert "preempted (SIGTERM)" in output, output[-3000:]
     first = latest_step(out)
     assert 2 <= first < 8
-    rc, output = job("horovodrun", ["--backend", "horovod", "--resume", "auto"], out, data,
-                     env={"PXT_ACTIONS": "0:term@1:1"})
+    rc, output = job(
+        "horovodrun", ["--backend", "horovod", "--resume", "auto"], out, data, env={"PXT_ACTIONS": "0:term@1:1"}
+    )
     assert rc == 0 and "preempted (a stop request on another rank)" in output, output[-3000:]
     assert "written by deepspeed with 2 process(es)" in output
     assert latest_step(out) == first + 1 or latest_step(out) == 4  # the next step, or epoch 1's end
@@ -302,8 +379,9 @@ def test_across_world_sizes_every_sample_once(data, reference, tmp_path):
     env = {"PXT_SAMPLES": str(logs)}
     rc, output = job("torchrun", ["--resume", "auto"], out, data, env={**env, "PXT_ACTIONS": "0:term@6:1"})
     assert "preempted (a stop request on another rank)" in output and latest_step(out) == 6, output[-3000:]
-    rc, output = job("torchrun", ["--resume", "auto"], out, data, nproc=1, batch=32,
-                     env={**env, "PXT_ACTIONS": "0:term@1:0"})
+    rc, output = job(
+        "torchrun", ["--resume", "auto"], out, data, nproc=1, batch=32, env={**env, "PXT_ACTIONS": "0:term@1:0"}
+    )
     assert "preempted (SIGTERM)" in output and latest_step(out) == 7, output[-3000:]
     assert "was written by 2 rank(s), this run has 1" in output
     rc, output = job("torchrun", ["--resume", "auto"], out, data, env=env)
@@ -335,8 +413,22 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
 
 def test_mismatches_fail_with_one_line(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    base = ["--backend", "single", "--data-dir", str(data), "--out-dir", str(out), "--epochs", "1",
-            "--batch-size", "16", "--num-workers", "0", "--max-steps", "2"]
+    base = [
+        "--backend",
+        "single",
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--num-workers",
+        "0",
+        "--max-steps",
+        "2",
+    ]
     code, err = _main([*base, "--checkpoint-every", "1"], capsys)
     assert code == 0, err
     ckpt = out / "checkpoints" / "step-00000002"

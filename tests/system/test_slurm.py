@@ -35,17 +35,44 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def srun(slurm: SlurmCluster, args: list[str], out: Path, data: Path, *, name: str | None = None,
-         env: dict[str, str] | None = None, timeout: float = 150, while_running=None) -> tuple[int, str]:
+def srun(
+    slurm: SlurmCluster,
+    args: list[str],
+    out: Path,
+    data: Path,
+    *,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 150,
+    while_running=None,
+) -> tuple[int, str]:
     """``srun -n 2`` of the CIFAR-10 recipe (``args`` start with the script)."""
-    cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1", f"--job-name={name or 'px-' + uuid.uuid4().hex[:8]}",
-           "python", *args, "--data-dir", str(data), "--out-dir", str(out), *ARGS]
-    return run(cmd, slurm.env(job_env(**(env or {}))), out.parent / f"{out.name}-{time.monotonic_ns()}.log",
-               timeout=timeout, while_running=while_running)
+    cmd = [
+        "srun",
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        f"--job-name={name or 'px-' + uuid.uuid4().hex[:8]}",
+        "python",
+        *args,
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(out),
+        *ARGS,
+    ]
+    return run(
+        cmd,
+        slurm.env(job_env(**(env or {}))),
+        out.parent / f"{out.name}-{time.monotonic_ns()}.log",
+        timeout=timeout,
+        while_running=while_running,
+    )
 
 
 def test_srun_tasks_preempted_by_scancel_save_exit_0_and_resume_under_auto_bitwise(
-        slurm, engine_data, engine_reference, tmp_path):
+    slurm, engine_data, engine_reference, tmp_path
+):
     """srun -n 2, --backend ddp, stopped by ``scancel --signal=TERM`` after its first
     checkpoint: every task saves at its next step, and the step exits 0.  Run again
     with ``--backend auto --resume auto``: ddp with 2 ranks, resumed from that
@@ -56,9 +83,15 @@ def test_srun_tasks_preempted_by_scancel_save_exit_0_and_resume_under_auto_bitwi
         wait_for(lambda: latest_step(out) >= 1, proc, "the first checkpoint", timeout=100)
         subprocess.run(["scancel", "--signal=TERM", f"--name={name}"], env=slurm.env(), check=True)
 
-    rc, output = srun(slurm, ["tests/support/resume_wrapper.py", "--backend", "ddp", "--checkpoint-every", "1",
-                              "--resume", "auto"], out, engine_data, name=name, env={"PXT_DELAY": "0.4"},
-                      while_running=preempt)
+    rc, output = srun(
+        slurm,
+        ["tests/support/resume_wrapper.py", "--backend", "ddp", "--checkpoint-every", "1", "--resume", "auto"],
+        out,
+        engine_data,
+        name=name,
+        env={"PXT_DELAY": "0.4"},
+        while_running=preempt,
+    )
     assert rc == 0, output[-4000:]
     assert "preempted (SIGTERM): checkpoint written" in output, output[-3000:]
     assert not (out / "last.pth").exists(), "stopped before the end"
@@ -72,10 +105,12 @@ def test_srun_tasks_preempted_by_scancel_save_exit_0_and_resume_under_auto_bitwi
     assert_bitwise(out, engine_reference)
 
 
-@pytest.mark.parametrize("backend,extra", [("deepspeed", ["--zero-stage", "1"]), ("fsdp", [])],
-                         ids=["deepspeed-zero1", "fsdp"])
-def test_srun_tasks_run_each_backend_that_fits_to_the_torchrun_weights(slurm, engine_data, engine_reference,
-                                                                       tmp_path, backend, extra):
+@pytest.mark.parametrize(
+    "backend,extra", [("deepspeed", ["--zero-stage", "1"]), ("fsdp", [])], ids=["deepspeed-zero1", "fsdp"]
+)
+def test_srun_tasks_run_each_backend_that_fits_to_the_torchrun_weights(
+    slurm, engine_data, engine_reference, tmp_path, backend, extra
+):
     """Measured: both give ddp's weights to the bit (the same averaging, in the same order, on 2 ranks)."""
     out = tmp_path / "out"
     rc, output = srun(slurm, ["recipes/cifar10.py", "--backend", backend, *extra], out, engine_data)
@@ -99,25 +134,45 @@ except LaunchError as exc:
 
 
 def test_srun_tasks_are_named_by_the_env_report_and_horovod_says_how_to_launch(slurm):
-    rc, output = run(["srun", "-n", "2", "--kill-on-bad-exit=1", "python", "-c", PROBE], slurm.env(job_env()),
-                     Path(slurm.root) / f"probe-{time.monotonic_ns()}.log", timeout=60)
+    rc, output = run(
+        ["srun", "-n", "2", "--kill-on-bad-exit=1", "python", "-c", PROBE],
+        slurm.env(job_env()),
+        Path(slurm.root) / f"probe-{time.monotonic_ns()}.log",
+        timeout=60,
+    )
     assert rc == 0, output[-3000:]
     lines = output.splitlines()
     for rank in (0, 1):
-        assert any(ln.startswith("cluster environment: slurm (SLURM_PROCID=") and "--backend auto picks ddp" in ln
-                   for ln in lines), output
-        assert any(f"this process: rank {rank} of 2, local rank {rank} of 2, rendezvous localhost:" in ln
-                   for ln in lines), output
+        assert any(
+            ln.startswith("cluster environment: slurm (SLURM_PROCID=") and "--backend auto picks ddp" in ln
+            for ln in lines
+        ), output
+        assert any(
+            f"this process: rank {rank} of 2, local rank {rank} of 2, rendezvous localhost:" in ln for ln in lines
+        ), output
     refusals = [ln for ln in lines if ln.startswith("horovod: ")]
     assert len(refusals) == 2 and all("horovodrun -np N" in ln and "localhost:2" in ln for ln in refusals), output
 
 
-def test_a_batch_script_running_torchrun_trains_the_reference_weights(slurm, engine_data, engine_reference,
-                                                                      tmp_path):
+def test_a_batch_script_running_torchrun_trains_the_reference_weights(slurm, engine_data, engine_reference, tmp_path):
     """examples/slurm/torchrun.sbatch through ``sbatch --wait``: one task on the node runs torchrun."""
     out, log = tmp_path / "out", tmp_path / "job.out"
-    args = ["--nodes=1", "--cpus-per-task=2", f"--output={log}", f"--chdir={ROOT}", "examples/slurm/torchrun.sbatch",
-            "-m", "recipes.cifar10", "--backend", "ddp", "--data-dir", str(engine_data), "--out-dir", str(out), *ARGS]
+    args = [
+        "--nodes=1",
+        "--cpus-per-task=2",
+        f"--output={log}",
+        f"--chdir={ROOT}",
+        "examples/slurm/torchrun.sbatch",
+        "-m",
+        "recipes.cifar10",
+        "--backend",
+        "ddp",
+        "--data-dir",
+        str(engine_data),
+        "--out-dir",
+        str(out),
+        *ARGS,
+    ]
     state, rc = slurm.batch(args, slurm.env(job_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))), timeout=150)
     job_output = log.read_text(errors="replace") if log.exists() else ""
     assert (state, rc) == ("COMPLETED", 0), job_output[-4000:]

@@ -42,8 +42,22 @@ CASES = {
 def test_sleeping_rank_ends_the_job(case, tmp_path):
     launcher, backend, extra = CASES[case]
     require_launcher(launcher)
-    res = launch(launcher, ["tests/support/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
-                            "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
+    res = launch(
+        launcher,
+        [
+            "tests/support/stall_worker.py",
+            "--backend",
+            backend,
+            *extra,
+            "--timeout",
+            str(TIMEOUT_S),
+            "--out",
+            str(tmp_path),
+            "--freeze",
+            "sleep",
+        ],
+        timeout=ENDS_WITHIN_S + 60,
+    )
     assert res.returncode != 0, res.tail()
     assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
     assert "another rank is stalled or gone" in res.output, res.tail()
@@ -57,12 +71,31 @@ def test_rank_frozen_from_outside_ends_the_job(case, tmp_path):
     require_launcher(launcher)
     spec = launcher_for(launcher)
     port = free_port()
-    cmd = spec.command(["tests/support/stall_worker.py", "--backend", backend, *extra, "--timeout", str(TIMEOUT_S),
-                        "--out", str(tmp_path), "--freeze", "external"], 2, port=port)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           **spec.env()}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = spec.command(
+        [
+            "tests/support/stall_worker.py",
+            "--backend",
+            backend,
+            *extra,
+            "--timeout",
+            str(TIMEOUT_S),
+            "--out",
+            str(tmp_path),
+            "--freeze",
+            "external",
+        ],
+        2,
+        port=port,
+    )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        **spec.env(),
+    }
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     pid_file = tmp_path / "rank1.pid"
     try:
         deadline = time.monotonic() + 90
@@ -92,8 +125,21 @@ def test_fsdp_rank_asleep_ends_the_job_in_the_sharded_forward(tmp_path):
     """fsdp's own collectives (the forward's all-gather, the backward's reduce-scatter) run
     on the process group, whose timeout ends the waiting rank; torchrun then stops the other."""
     require_launcher("torchrun")
-    res = launch("torchrun", ["tests/support/stall_worker.py", "--backend", "fsdp", "--timeout", str(TIMEOUT_S),
-                              "--out", str(tmp_path), "--freeze", "sleep"], timeout=ENDS_WITHIN_S + 60)
+    res = launch(
+        "torchrun",
+        [
+            "tests/support/stall_worker.py",
+            "--backend",
+            "fsdp",
+            "--timeout",
+            str(TIMEOUT_S),
+            "--out",
+            str(tmp_path),
+            "--freeze",
+            "sleep",
+        ],
+        timeout=ENDS_WITHIN_S + 60,
+    )
     assert res.returncode != 0, res.tail()
     assert res.seconds < ENDS_WITHIN_S, f"the job took {res.seconds:.0f}s to end:\n{res.tail()}"
     assert "step 2" in res.output and "step 3" not in res.output, res.tail()

@@ -34,8 +34,13 @@ def test_sigkill_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
     rng = random.Random(0)
     loads = 0
     for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             assert proc.stdout.readline().strip() == "ready"
             time.sleep(0.3 + rng.random())

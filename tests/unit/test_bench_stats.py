@@ -13,8 +13,16 @@ from benchmarks import plan, report, stats
 
 
 def row(impl: str, rounds: dict[int, list[float]], *, nproc: int = 2, case: str = "lenet-32px-b256") -> dict:
-    out = {"impl": impl, "nproc": nproc, "case_id": case, "base_id": case, "model": "lenet", "batch": 256,
-           "threads": 1, **stats.timing(sorted(rounds), [rounds[r] for r in sorted(rounds)])}
+    out = {
+        "impl": impl,
+        "nproc": nproc,
+        "case_id": case,
+        "base_id": case,
+        "model": "lenet",
+        "batch": 256,
+        "threads": 1,
+        **stats.timing(sorted(rounds), [rounds[r] for r in sorted(rounds)]),
+    }
     out["images_per_s"] = nproc * 256 / out["median_step_s"]
     return out
 
@@ -73,8 +81,15 @@ def test_scaling_interval_brackets_the_speedup():
 def test_same_process_blocks_pair_up_and_steps_average_over_ranks():
     # Two ranks, three blocks of two steps each; parallelx 5 % slower in every block.
     plain = [[[0.010, 0.012], [0.020, 0.022], [0.030, 0.032]], [[0.012, 0.010], [0.022, 0.020], [0.032, 0.030]]]
-    reports = [{"impl": "same-deepspeed", "case_id": "lenet-32px-b32", "max_abs_weight_diff": 0.0,
-                "blocks": {"plain": p, "parallelx": [[1.05 * t for t in b] for b in p]}} for p in plain]
+    reports = [
+        {
+            "impl": "same-deepspeed",
+            "case_id": "lenet-32px-b32",
+            "max_abs_weight_diff": 0.0,
+            "blocks": {"plain": p, "parallelx": [[1.05 * t for t in b] for b in p]},
+        }
+        for p in plain
+    ]
     s = stats.same_process(reports)
     assert (s["impl"], s["baseline"], s["how"], s["nproc"]) == ("px-deepspeed", "raw-deepspeed", "same process", 2)
     assert s["per_round"] == pytest.approx([1.05] * 3) and s["ci95"] == pytest.approx([1.05, 1.05])
@@ -85,13 +100,20 @@ def test_same_process_blocks_pair_up_and_steps_average_over_ranks():
 
 
 def test_launches_alternate_and_each_comparison_stays_together():
-    machine = plan.Machine(gpus=0, cores=2, nproc=2, threads_n=1, threads_1=2, comm="gloo",
-                           bind_cores=True)
+    machine = plan.Machine(gpus=0, cores=2, nproc=2, threads_n=1, threads_1=2, comm="gloo", bind_cores=True)
     preset = plan.PRESETS["quick"]
-    jobs = plan.schedule(preset, ["ddp", "horovod", "scaling", "same-process"], ["lenet"], machine,
-                         control=("ddp", "horovod"), same_process=("ddp",))
-    rounds = [[j.impl for j in jobs if j.repeat == r and j.nproc == 2 and not j.impl.startswith("same-")]
-              for r in range(preset.repeats)]
+    jobs = plan.schedule(
+        preset,
+        ["ddp", "horovod", "scaling", "same-process"],
+        ["lenet"],
+        machine,
+        control=("ddp", "horovod"),
+        same_process=("ddp",),
+    )
+    rounds = [
+        [j.impl for j in jobs if j.repeat == r and j.nproc == 2 and not j.impl.startswith("same-")]
+        for r in range(preset.repeats)
+    ]
     assert rounds[0] == ["raw-ddp", "px-ddp", "ctl-ddp", "raw-horovod", "px-horovod", "ctl-horovod"]
     assert rounds[1] == ["px-ddp", "ctl-ddp", "raw-ddp", "px-horovod", "ctl-horovod", "raw-horovod"]
     singles = [j for j in jobs if j.nproc == 1]
@@ -106,11 +128,17 @@ def test_summary_is_compact_and_keeps_the_headline_numbers():
     base = noisy_rounds(1.0, 6, seed=5)
     rows = [row("px-ddp", {r: [1.01 * t for t in ts] for r, ts in base.items()}), row("raw-ddp", base)]
     comparison = {**stats.overheads(rows)[0], **stats.weights(0.0)}
-    meta = {"command": "python -m benchmarks.run", "started": "now", "wall_s": 1.0,
-            "hardware": {"arch": "x86_64", "cpu": "cpu", "cores": 2, "memory_gib": 1.0, "gpus": []},
-            "versions": {"torch": "2"}, "machine": {"nproc": 2, "threads_n": 1, "threads_1": 2, "comm": "gloo"}}
-    text = report.compact_json(report.summary({"meta": meta, "runs": rows, "comparisons": [comparison],
-                                               "scaling": [], "failures": []}))
+    meta = {
+        "command": "python -m benchmarks.run",
+        "started": "now",
+        "wall_s": 1.0,
+        "hardware": {"arch": "x86_64", "cpu": "cpu", "cores": 2, "memory_gib": 1.0, "gpus": []},
+        "versions": {"torch": "2"},
+        "machine": {"nproc": 2, "threads_n": 1, "threads_1": 2, "comm": "gloo"},
+    }
+    text = report.compact_json(
+        report.summary({"meta": meta, "runs": rows, "comparisons": [comparison], "scaling": [], "failures": []})
+    )
     assert len(text.splitlines()) < 20
     (c,) = json.loads(text)["comparisons"]
     assert c["ratio"] == pytest.approx(1.01, abs=1e-3) and c["rounds"] == 6 and c["weights_equal"] is True

@@ -36,8 +36,6 @@ def test_single_process_backends_run_every_check(backend, tmp_path, monkeypatch)
     assert rep["metrics"]["count"] == 23
 
 
-
-
 def test_unknown_backend_message_lists_valid_names():
     with pytest.raises(UnknownBackendError) as err:
         parallelx.get_backend("nccl")
@@ -59,12 +57,19 @@ def test_register_a_third_party_backend():
         parallelx.registry._REGISTERED.pop("mine")
 
 
-@pytest.mark.parametrize("env,argv,expected", [
-    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, ["t.py"], "ddp"),
-    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, ["t.py"], "horovod"),
-    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CROSS_RANK": "0"}, ["t.py", "--local_rank=1"], "deepspeed"),
-    ({}, ["t.py"], "single"),
-])
+@pytest.mark.parametrize(
+    "env,argv,expected",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, ["t.py"], "ddp"),
+        ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, ["t.py"], "horovod"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CROSS_RANK": "0"},
+            ["t.py", "--local_rank=1"],
+            "deepspeed",
+        ),
+        ({}, ["t.py"], "single"),
+    ],
+)
 def test_auto_detects_the_launcher(env, argv, expected):
     if expected == "single" and torch.cuda.device_count() > 1:
         expected = "dp"
@@ -129,7 +134,7 @@ def test_metric_sums_equal_one_process_over_the_whole_set():
         idx = torch.tensor(list(iter(s)))
         m = MetricSums()
         for start in range(0, len(idx), batch):
-            b = idx[start:start + batch]
+            b = idx[start : start + batch]
             m.update(losses[b], correct[b], real_mask(s, start, len(b)))
         parts.append(m)
     loss_sum = sum(float(p.loss_sum) for p in parts)
@@ -153,8 +158,6 @@ def test_save_is_atomic_and_failure_keeps_the_old_file(tmp_path):
     assert loaded["epoch"] == 1 and set(loaded["model"]) == {"weight", "bias"}
     with pytest.raises(ParallelxError, match="does not exist"):
         b.load(tmp_path / "missing.pth")
-
-
 
 
 # ------------------------------------------------------------------ protocol

@@ -23,22 +23,39 @@ from parallelx.environments.slurm import Slurm, derived_port, expand_hostlist, e
 from parallelx.errors import LaunchError, ParallelxError
 from parallelx.launch import free_port
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "host0", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job"}
-DEEPSPEED = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "host0",
+    "MASTER_PORT": "29400",
+    "TORCHELASTIC_RUN_ID": "job",
+}
+DEEPSPEED = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_SIZE": "2",
+    "CROSS_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
 HOROVOD = {"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2"}
 PYTORCHJOB = {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
 
 
-@pytest.mark.parametrize("environ,argv,name,world,backend", [
-    (TORCHRUN, ["t.py"], "torchrun", World(3, 4, 1, 2, "host0", 29400), "ddp"),
-    (DEEPSPEED, ["t.py", "--local_rank=1"], "deepspeed", World(1, 2, 1, 2, "127.0.0.1", 29500), "deepspeed"),
-    (HOROVOD, ["t.py"], "horovodrun", World(2, 4, 0, 2), "horovod"),
-    # One process per pod: no LOCAL_RANK, so local rank 0 of 1.
-    (PYTORCHJOB, ["t.py"], "env", World(5, 8, 0, 1, "job-master-0", 23456), "ddp"),
-    ({}, ["t.py"], "local", World(), "single"),
-])
+@pytest.mark.parametrize(
+    "environ,argv,name,world,backend",
+    [
+        (TORCHRUN, ["t.py"], "torchrun", World(3, 4, 1, 2, "host0", 29400), "ddp"),
+        (DEEPSPEED, ["t.py", "--local_rank=1"], "deepspeed", World(1, 2, 1, 2, "127.0.0.1", 29500), "deepspeed"),
+        (HOROVOD, ["t.py"], "horovodrun", World(2, 4, 0, 2), "horovod"),
+        # One process per pod: no LOCAL_RANK, so local rank 0 of 1.
+        (PYTORCHJOB, ["t.py"], "env", World(5, 8, 0, 1, "job-master-0", 23456), "ddp"),
+        ({}, ["t.py"], "local", World(), "single"),
+    ],
+)
 def test_each_environment_is_detected_with_its_world(environ, argv, name, world, backend):
     env = detect_environment(environ, argv)
     assert env.name == name and env.world() == world and env.why()
@@ -56,8 +73,14 @@ def test_the_deepspeed_launcher_under_torchrun_is_torchrun():
 def test_export_fills_only_what_is_missing():
     target = {"MASTER_PORT": "1"}
     detect_environment(PYTORCHJOB, ["t.py"]).export(target)
-    assert target == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                      "MASTER_ADDR": "job-master-0", "MASTER_PORT": "1"}
+    assert target == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "1",
+    }
     target = {}
     detect_environment(HOROVOD, ["t.py"]).export(target)
     assert target == {}, "horovod forms its world from its own variables"
@@ -139,32 +162,55 @@ def test_a_process_group_made_by_the_environment_is_adopted_and_left_to_it(monke
 # ------------------------------------------------------------------ Slurm
 
 #: Rank 1 of an ``srun --ntasks-per-node 2 -N 2`` step, as srun sets it (seen on Slurm 22.05).
-SRUN = {"SLURM_JOB_ID": "1234", "SLURM_JOBID": "1234", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_PROCID": "3",
-        "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-        "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "node[07-08]",
-        "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NNODES": "2"}
+SRUN = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_JOBID": "1234",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "SLURM_NNODES": "2",
+}
 
 
-@pytest.mark.parametrize("text,hosts", [
-    ("localhost", ["localhost"]),
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("a[1-2],b3", ["a1", "a2", "b3"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("n[08-10]", ["n08", "n09", "n10"]),  # the width of the first number
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("gpu-[1-2]-ib,cpu[5]", ["gpu-1-ib", "gpu-2-ib", "cpu5"]),
-    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),  # several groups: the product, in order
-    ("a,b,c", ["a", "b", "c"]),
-    (" node[1-2] ", ["node1", "node2"]),
-])
+@pytest.mark.parametrize(
+    "text,hosts",
+    [
+        ("localhost", ["localhost"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b3", ["a1", "a2", "b3"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),  # the width of the first number
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("gpu-[1-2]-ib,cpu[5]", ["gpu-1-ib", "gpu-2-ib", "cpu5"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),  # several groups: the product, in order
+        ("a,b,c", ["a", "b", "c"]),
+        (" node[1-2] ", ["node1", "node2"]),
+    ],
+)
 def test_slurm_host_lists_expand(text, hosts):
     assert expand_hostlist(text) == hosts
 
 
-@pytest.mark.parametrize("text,why", [
-    ("node[1-", "'\\[' without '\\]'"), ("node1]", "'\\]' without '\\['"), ("n[a-b]", "not a number"),
-    ("n[3-1]", "runs backwards"), ("a,,b", "empty host name"), ("n[1-2[3]]", "nested"), ("n[1-]", "not a number"),
-])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("node[1-", "'\\[' without '\\]'"),
+        ("node1]", "'\\]' without '\\['"),
+        ("n[a-b]", "not a number"),
+        ("n[3-1]", "runs backwards"),
+        ("a,,b", "empty host name"),
+        ("n[1-2[3]]", "nested"),
+        ("n[1-]", "not a number"),
+    ],
+)
 def test_a_malformed_host_list_is_one_error_naming_it(text, why):
     with pytest.raises(LaunchError, match=f"Slurm host list .*{why}"):
         expand_hostlist(text)
@@ -186,13 +232,26 @@ def test_srun_tasks_are_one_rank_each():
     given = detect_environment({**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555"}, ["t.py"]).world()
     assert (given.master_addr, given.master_port) == ("10.0.0.1", 29555)
     # The node's own count: the last node of "2(x3),1" holds one task.
-    last = {**SRUN, "SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3", "SLURM_LOCALID": "0",
-            "SLURM_PROCID": "6", "SLURM_STEP_NUM_TASKS": "7", "SLURM_STEP_NODELIST": "a[1-3],b1"}
+    last = {
+        **SRUN,
+        "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+        "SLURM_NODEID": "3",
+        "SLURM_LOCALID": "0",
+        "SLURM_PROCID": "6",
+        "SLURM_STEP_NUM_TASKS": "7",
+        "SLURM_STEP_NODELIST": "a[1-3],b1",
+    }
     assert detect_environment(last, ["t.py"]).world() == World(6, 7, 0, 1, "a1", derived_port(1234, 0))
     target: dict[str, str] = {}
     env.export(target)
-    assert target == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                      "MASTER_ADDR": "node07", "MASTER_PORT": str(derived_port(1234, 0))}
+    assert target == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node07",
+        "MASTER_PORT": str(derived_port(1234, 0)),
+    }
 
 
 def test_the_derived_port_is_per_job_and_step_and_below_the_ephemeral_range():
@@ -201,14 +260,17 @@ def test_the_derived_port_is_per_job_and_step_and_below_the_ephemeral_range():
     assert derived_port(5, 0) == derived_port(5, 0)
 
 
-@pytest.mark.parametrize("environ", [
-    # salloc, then python train.py: a job but no step, no task id.
-    {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1"},
-    # The batch script itself (sbatch -n 2): task 0, but of no step.
-    {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODELIST": "a1"},
-    # A step of one task (srun python train.py in a one-task allocation).
-    {**SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"},
-])
+@pytest.mark.parametrize(
+    "environ",
+    [
+        # salloc, then python train.py: a job but no step, no task id.
+        {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1"},
+        # The batch script itself (sbatch -n 2): task 0, but of no step.
+        {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODELIST": "a1"},
+        # A step of one task (srun python train.py in a one-task allocation).
+        {**SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"},
+    ],
+)
 def test_a_process_of_no_step_or_alone_in_its_step_is_a_world_of_one(environ):
     env = detect_environment(environ, ["t.py"])
     assert env.name == "local" and env.world() == World()
@@ -243,12 +305,18 @@ def test_horovod_under_srun_says_how_to_launch_it_instead():
 
 
 # ------------------------------------------------------- Kubernetes, plain variables
-@pytest.mark.parametrize("extra,world", [
-    # PyTorchJob, one process per pod: PET_* are torchrun's defaults, which this process was not started by.
-    ({"PET_NPROC_PER_NODE": "1", "PET_NNODES": "8", "PET_NODE_RANK": "5"}, World(5, 8, 0, 1, "job-master-0", 23456)),
-    # Several processes per pod from another launcher that says where each stands.
-    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, World(5, 8, 1, 4, "job-master-0", 23456)),
-])
+@pytest.mark.parametrize(
+    "extra,world",
+    [
+        # PyTorchJob, one process per pod: PET_* are torchrun's defaults, which this process was not started by.
+        (
+            {"PET_NPROC_PER_NODE": "1", "PET_NNODES": "8", "PET_NODE_RANK": "5"},
+            World(5, 8, 0, 1, "job-master-0", 23456),
+        ),
+        # Several processes per pod from another launcher that says where each stands.
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, World(5, 8, 1, 4, "job-master-0", 23456)),
+    ],
+)
 def test_plain_variables_give_the_local_rank_sensibly(extra, world):
     env = detect_environment({**PYTORCHJOB, **extra}, ["t.py"])
     assert env.name == "env" and env.world() == world
@@ -284,7 +352,8 @@ def ray_worker(monkeypatch):
     train = types.SimpleNamespace(
         report=lambda metrics, checkpoint=None: calls["report"].append((metrics, checkpoint)),
         Checkpoint=types.SimpleNamespace(from_directory=lambda d: f"ckpt:{d}"),
-        get_checkpoint=lambda: calls["restored"][-1] if calls["restored"] else None)
+        get_checkpoint=lambda: calls["restored"][-1] if calls["restored"] else None,
+    )
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(train=train))
     monkeypatch.setitem(sys.modules, "ray.train", train)
     context = _RayContext(1)
@@ -292,8 +361,15 @@ def ray_worker(monkeypatch):
     return context, calls
 
 
-RAY = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
-       "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "41000"}
+RAY = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "NODE_RANK": "0",
+    "MASTER_ADDR": "10.1.2.3",
+    "MASTER_PORT": "41000",
+}
 
 
 def test_a_ray_train_worker_is_ray_before_torchrun_and_owns_its_group(ray_worker, tmp_path):
@@ -339,8 +415,16 @@ def test_the_ray_launcher_splits_its_options_from_the_scripts():
     from parallelx.ray import split_argv
 
     assert split_argv(["-n", "2", "--gpu", "-m", "recipes.cifar10", "--backend", "ddp", "-n", "x"]) == (
-        ["-n", "2", "--gpu"], "module", "recipes.cifar10", ["--backend", "ddp", "-n", "x"])
+        ["-n", "2", "--gpu"],
+        "module",
+        "recipes.cifar10",
+        ["--backend", "ddp", "-n", "x"],
+    )
     assert split_argv(["--storage", "/s", "--env", "A", "train.py", "--lr", "1"]) == (
-        ["--storage", "/s", "--env", "A"], "file", "train.py", ["--lr", "1"])
+        ["--storage", "/s", "--env", "A"],
+        "file",
+        "train.py",
+        ["--lr", "1"],
+    )
     with pytest.raises(ParallelxError, match="give the script to run"):
         split_argv(["-n", "2"])

@@ -30,7 +30,7 @@ def _reference(data, accumulate: int, clip: float | None, dtype) -> tuple[nn.Mod
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     norms = []
     for s in range(0, len(data), accumulate):
-        window = data[s:s + accumulate]
+        window = data[s : s + accumulate]
         for x, y in window:
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = nn.functional.cross_entropy(model(x), y) * 30
@@ -42,10 +42,13 @@ def _reference(data, accumulate: int, clip: float | None, dtype) -> tuple[nn.Mod
 
 
 @pytest.mark.parametrize("name", ["single", "dp"])
-@pytest.mark.parametrize("options,dtype", [
-    (dict(accumulate=3, clip_grad_norm=0.5), None),
-    (dict(accumulate=2, precision="bf16-mixed"), torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "options,dtype",
+    [
+        (dict(accumulate=3, clip_grad_norm=0.5), None),
+        (dict(accumulate=2, precision="bf16-mixed"), torch.bfloat16),
+    ],
+)
 def test_loop_equals_plain_torch(name, options, dtype):
     data = _data()
     ref, ref_norms = _reference(data, options.get("accumulate", 1), options.get("clip_grad_norm"), dtype)
@@ -82,8 +85,9 @@ def test_options_are_validated():
 def test_cli_options_reach_the_backend():
     parser = argparse.ArgumentParser()
     parallelx.add_arguments(parser)
-    args = parser.parse_args(["--backend", "single", "--accumulate", "4", "--clip-grad-norm", "2.5",
-                              "--precision", "bf16-mixed"])
+    args = parser.parse_args(
+        ["--backend", "single", "--accumulate", "4", "--clip-grad-norm", "2.5", "--precision", "bf16-mixed"]
+    )
     backend = parallelx.from_args(args)
     assert backend.options == LoopOptions(accumulate=4, clip_grad_norm=2.5, precision="bf16-mixed")
     for bad in (["--accumulate", "0"], ["--clip-grad-norm", "-1"], ["--precision", "16"]):
@@ -114,7 +118,7 @@ def test_accumulation_needs_batches():
 
 def test_batches_without_length_and_limit():
     with parallelx.get_backend("single", accumulate=2) as backend:
-        seen = [b for b in backend.batches(iter(range(5)))]
+        seen = list(backend.batches(iter(range(5))))
         assert seen == [0, 1, 2, 3, 4]
         assert list(backend.batches(range(10), limit=3)) == [0, 1, 2]
         windows = []

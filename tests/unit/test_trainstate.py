@@ -47,7 +47,7 @@ def test_resume_is_bitwise_exact(backend, tmp_path, optim, save_at):
     wa, wb = a.weights(), b.weights()
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resuming"
     assert after_a[:2] == after_b[:2] and torch.equal(after_a[2], after_b[2]), "RNG did not continue identically"
-    assert a.seen[a.mark:] == b.seen, "the resumed run trained on other samples"
+    assert a.seen[a.mark :] == b.seen, "the resumed run trained on other samples"
     assert a.counters == b.counters and info["counters"]["global_step"] == save_at
     assert a.scheduler.state_dict() == b.scheduler.state_dict()
     assert info["loader_seed"] == 1 and info["meta"]["backend"] == "single" and info["meta"]["world_size"] == 1
@@ -57,8 +57,17 @@ def test_every_file_loads_weights_only(backend, tmp_path):
     a = Run(backend, "adamw")
     a.train(3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    path = save_training_state(backend, tmp_path, step=3, model=a.model, optimizer=a.optimizer, scheduler=a.scheduler,
-                               scaler=scaler, sampler=a.sampler, counters=a.counters)
+    path = save_training_state(
+        backend,
+        tmp_path,
+        step=3,
+        model=a.model,
+        optimizer=a.optimizer,
+        scheduler=a.scheduler,
+        scaler=scaler,
+        sampler=a.sampler,
+        counters=a.counters,
+    )
     assert path == tmp_path / "checkpoints" / "step-00000003"
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000003"
     files = sorted(p.name for p in path.iterdir())
@@ -106,10 +115,6 @@ def test_leftovers_of_a_crashed_write_are_ignored(backend, tmp_path):
     a.train(1)
     a.save(tmp_path)
     assert not torn.exists(), "leftovers are removed after the next complete save"
-
-
-
-
 
 
 def _one_line_error(exc: pytest.ExceptionInfo) -> str:
@@ -165,8 +170,15 @@ def test_bad_arguments(backend, tmp_path):
     with pytest.raises(ParallelxError, match="keep"):
         save_training_state(backend, tmp_path, step=1, model=a.model, optimizer=a.optimizer, counters={}, keep=0)
     with pytest.raises(ParallelxError) as exc:  # a function in the state: not storable
-        save_training_state(backend, tmp_path, step=1, model=a.model, optimizer=a.optimizer, counters={},
-                            scheduler=type("S", (), {"state_dict": lambda self: {"f": print}})())
+        save_training_state(
+            backend,
+            tmp_path,
+            step=1,
+            model=a.model,
+            optimizer=a.optimizer,
+            counters={},
+            scheduler=type("S", (), {"state_dict": lambda self: {"f": print}})(),
+        )
     assert "weights_only" in _one_line_error(exc)
     assert latest_checkpoint(tmp_path) is None and not list((tmp_path / "checkpoints").iterdir())
 
@@ -197,7 +209,7 @@ def test_sampler_resumes_across_world_sizes(before, after, shuffle):
         shard, sums = list(s), MetricSums(s)
         assert len(shard) in lengths
         rest += shard[: s.num_real]
-        assert not s.real_mask(0, len(s))[s.num_real:].any()
+        assert not s.real_mask(0, len(s))[s.num_real :].any()
         sums.update(torch.zeros(len(shard)), torch.ones(len(shard), dtype=torch.bool))
         assert sums.compute()["count"] == s.num_real
     assert len(lengths) == 1, "ranks must get equal lengths"
@@ -270,6 +282,7 @@ def test_deepspeed_fp16_loss_scale_survives_a_checkpoint(holder, tmp_path, monke
 
     import deepspeed.runtime.fp16.loss_scaler as ds_scaler
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig
+
     from parallelx.backends import _deepspeed_zero as zero_state
 
     # Its overflow messages ask deepspeed.comm for the rank, which wants a process group.
@@ -278,8 +291,11 @@ def test_deepspeed_fp16_loss_scale_survives_a_checkpoint(holder, tmp_path, monke
 
     def fresh() -> SimpleNamespace:
         if holder == "zero":
-            return SimpleNamespace(loss_scaler=DynamicLossScaler(init_scale=2.0**16, scale_window=3, min_scale=1.0,
-                                                                 delayed_shift=2, consecutive_hysteresis=False))
+            return SimpleNamespace(
+                loss_scaler=DynamicLossScaler(
+                    init_scale=2.0**16, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False
+                )
+            )
         return SimpleNamespace(loss_scale_config=LossScaleConfig(torch.float16, True, 0, None))
 
     def update(opt: SimpleNamespace, overflow: bool) -> None:

@@ -55,8 +55,10 @@ def train(args, backend, model, train_loader, optimizer, epoch):
         backend.backward(loss)
         optimizer.step()
         if batch_idx % args.log_interval == 0:
-            backend.print(f"Train Epoch: {epoch} [{batch_idx * len(data) * backend.world_size}/"
-                          f"{len(train_loader.dataset)}]\tLoss: {loss.item():.6f}")
+            backend.print(
+                f"Train Epoch: {epoch} [{batch_idx * len(data) * backend.world_size}/"
+                f"{len(train_loader.dataset)}]\tLoss: {loss.item():.6f}"
+            )
 
 
 def test(backend, model, test_loader):
@@ -68,8 +70,9 @@ def test(backend, model, test_loader):
             output = model(data)
             sums.update(F.nll_loss(output, target, reduction="none"), output.argmax(dim=1) == target)
     m = sums.compute(backend)
-    backend.print(f"\nTest set: Average loss: {m['loss']:.6f}, Accuracy: {m['correct']}/{m['count']} "
-                  f"({100.0 * m['acc']:.2f}%)\n")
+    backend.print(
+        f"\nTest set: Average loss: {m['loss']:.6f}, Accuracy: {m['correct']}/{m['count']} ({100.0 * m['acc']:.2f}%)\n"
+    )
 
 
 def main():
@@ -90,13 +93,16 @@ def main():
     torch.manual_seed(args.seed)
     with parallelx.from_args(args) as backend:
         transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-        dataset1 = Subset(datasets.MNIST(args.data_dir, train=True, download=False, transform=transform),
-                          range(args.train_size))
+        dataset1 = Subset(
+            datasets.MNIST(args.data_dir, train=True, download=False, transform=transform), range(args.train_size)
+        )
         dataset2 = datasets.MNIST(args.data_dir, train=False, transform=transform)
-        train_loader = DataLoader(dataset1, batch_size=args.batch_size,
-                                  sampler=backend.make_sampler(dataset1, shuffle=True, seed=args.seed))
-        test_loader = DataLoader(dataset2, batch_size=args.test_batch_size,
-                                 sampler=backend.make_sampler(dataset2, shuffle=False))
+        train_loader = DataLoader(
+            dataset1, batch_size=args.batch_size, sampler=backend.make_sampler(dataset1, shuffle=True, seed=args.seed)
+        )
+        test_loader = DataLoader(
+            dataset2, batch_size=args.test_batch_size, sampler=backend.make_sampler(dataset2, shuffle=False)
+        )
 
         model = backend.wrap_model(Net())
         optimizer = backend.wrap_optimizer(optim.Adadelta(model.parameters(), lr=args.lr))
