@@ -13,14 +13,16 @@ loaded optimizer state) are broadcast.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from parallelx import network
 from parallelx.batchnorm import convert_batchnorm
-from parallelx.errors import BackendUnavailableError, ParallelxError
+from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 from parallelx.launch import Launcher
 from parallelx.log import warn
 from parallelx.loop import SINGLE, LoopOptions
@@ -37,6 +39,32 @@ HOROVODRUN = Launcher(
     local_opts="-H localhost:{n} --gloo --network-interface lo",
     local_env={"GLOO_SOCKET_IFNAME": "lo"},
 )
+
+
+def host_name_problem(environ: Mapping[str, str], host: str | None = None) -> str | None:
+    """Why this machine's host name breaks a job of several machines, or None.
+    Horovod 0.28.1's Gloo connects its process sets (the global one too) over
+    the host name's address, whatever interface horovodrun chose
+    (``HOROVOD_GLOO_IFACE``): where the name resolves to a loopback address,
+    Debian's ``127.0.1.1``, the other machines dial their own loopback."""
+    if int(environ.get("HOROVOD_CROSS_SIZE") or 1) <= 1:  # one machine: the loopback is right
+        return None
+    host = host or socket.gethostname()
+    try:
+        address: str | None = network.resolve(host)
+    except network.NetworkError:
+        address = None
+    if address is not None and not network.is_loopback(address):
+        return None
+    iface = environ.get("HOROVOD_GLOO_IFACE") or ""
+    mine = [a for a in network.interfaces().get(iface, []) if ":" not in a]
+    line = f"{mine[0] if mine else '<its address>'} {host}"
+    return (
+        f"horovod: this machine's host name {host} resolves to {address or 'nothing'} here, and Horovod's Gloo "
+        f"connects its process sets over the host name's address whatever the interface (HOROVOD_GLOO_IFACE="
+        f"{iface or 'unset'}): the other machines would dial {address or 'nothing'}; map {host} to the address "
+        f"the other machines reach in /etc/hosts on this machine (the line `{line}`)"
+    )
 
 
 class HorovodBackend(Backend):
@@ -83,6 +111,9 @@ class HorovodBackend(Backend):
                 f"it was probably built for another torch: {INSTALL_HINT}"
             ) from None
         self.hvd = hvd
+        problem = host_name_problem(os.environ) if launched else None
+        if problem:
+            raise LaunchError(problem)
         hvd.init()
         self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
         self._local_world_size = hvd.local_size()

@@ -1,6 +1,7 @@
 """Command line of parallelx itself.
 
 python -m parallelx env                         # what is installed here, which backends can run
+python -m parallelx env --network               # on each machine: can it reach MASTER_ADDR:MASTER_PORT, over which interface
 python -m parallelx launchers                   # the table of backends and their launch lines
 python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar10
                                                 # start N local processes with the backend's own launcher
@@ -26,7 +27,22 @@ from .trainstate import STATE_FILE, latest_checkpoint
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallelx")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("env", help="print torch/CUDA versions and which backends are usable here")
+    env = sub.add_parser("env", help="print torch/CUDA versions and which backends are usable here")
+    env.add_argument(
+        "--network",
+        action="store_true",
+        help="instead: check this machine's network for a job of several machines (run it on each): whether "
+        "MASTER_ADDR:MASTER_PORT is reachable, the interface collectives will use, the clock and the host name",
+    )
+    env.add_argument("--master-addr", default=None, help="with --network (default: $MASTER_ADDR)")
+    env.add_argument("--master-port", type=int, default=None, help="with --network (default: $MASTER_PORT, else 29500)")
+    env.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --network on the master's machine: hold the port S seconds and answer the other machines' checks",
+    )
     table = sub.add_parser("launchers", help="print the Markdown table of backends and their launch lines")
     table.add_argument("--module", default="recipes.dogcat", help="the module the launch lines run")
     run = sub.add_parser(
@@ -55,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(args.module), end="")
         return 0
     if args.command == "env":
+        if args.network:
+            return envreport.network_main(args.master_addr, args.master_port, args.wait)
         return envreport.main()
     if args.command == "convert-checkpoint":
         return _convert(Path(args.src), Path(args.dst))

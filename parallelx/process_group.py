@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import network
 from .errors import LaunchError
 from .launch import free_port
 from .log import warn
@@ -112,6 +113,8 @@ class ProcessGroupBackend(Backend):
     #: False where the process group was there before init() (a cluster
     #: environment made it): it is that environment's to destroy.
     _owns_group = False
+    #: How this process joined its group over the network (None: adopted, or not yet joined).
+    _net: network.GroupJoin | None = None
 
     def _join_rendezvous(self) -> None:
         """Pick the device and join the process group of this process's environment.
@@ -154,16 +157,23 @@ class ProcessGroupBackend(Backend):
                 f"`{self.launcher.usage()}`"
             )
         timeout = _dt.timedelta(seconds=self.timeout_s)
-        store = restart_store(timeout)
-        if store is None:
-            dist.init_process_group(backend=self._dist_backend(), timeout=timeout)
-        else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self._net = network.GroupJoin(
+            rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout
+        )
+        with self._net.rendezvous():
+            store = restart_store(timeout)
+            if store is None:  # what init_process_group's env:// does, with the store in hand
+                store = dist.PrefixStore(
+                    "default_pg", next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+                )
+        self._net.choose_interface(store, os.environ)
+        line = self._net.machine_line()
+        if line and self._local_rank == 0:
+            print(line, flush=True)
+        with self._net.connecting():
             dist.init_process_group(
-                backend=self._dist_backend(),
-                timeout=timeout,
-                store=store,
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
+                backend=self._dist_backend(), timeout=timeout, store=store, rank=rank, world_size=world_size
             )
         self._owns_group = True
 
@@ -227,6 +237,9 @@ class ProcessGroupBackend(Backend):
         return super()._sync_batchnorm(model)
 
     def _shutdown(self, *, failed: bool) -> None:
+        if failed and self._net is not None and self._owns_group:
+            # Before the group goes: the machines that no longer answer are named.
+            self._net.report_lost_peers(self.environment)
         if dist.is_initialized():
             if not failed:
                 # The last collectives may have been synchronous ones whose

@@ -91,6 +91,13 @@ class ClusterEnvironment(abc.ABC):
         run's own directory has none (a replacement on another machine)."""
         return None
 
+    def after_network_loss(self, master_answers: bool) -> str:
+        """What becomes of the job now that a machine of it no longer answers
+        (the end of the error line that names it); ``master_answers``: whether
+        MASTER_ADDR's machine still answers from here.  An environment whose
+        launcher would wait for the lost machine for long may act here."""
+        return "once it is back, run the same command with --resume auto to continue from the last checkpoint"
+
     def export(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Set the ``torch.distributed`` variables (``RANK``, ``WORLD_SIZE``,
         ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)

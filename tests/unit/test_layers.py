@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Bottom to top: a module may import its own layer's and lower layers' modules only.
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
-    {"settings", "state", "launch", "runner", "environments", "precision"},
+    {"settings", "state", "launch", "runner", "environments", "precision", "network"},
     {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded"},
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
