@@ -27,6 +27,20 @@ if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
     fi
 fi
 
+# An ssh server for the tests' two-node rehearsal (tests/system/test_netns.py
+# starts one inside each node's network namespace, with a key of its own; no
+# system-wide sshd is configured): Debian's openssh-server, a few seconds.  Only
+# as root; without it the horovodrun-over-ssh test skips.
+if [ ! -x /usr/sbin/sshd ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "[setup] installing openssh-server (the two-node tests' ssh between namespaces)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            openssh-server >/dev/null; } || echo "[setup] warning: could not install openssh-server; its test will skip" >&2
+    else
+        echo "[setup] note: openssh-server is not installed and this is not root: the horovodrun-over-ssh test will skip" >&2
+    fi
+fi
+
 # Re-install only when the inputs of the install changed.
 stamp="$VENV/.parallelx-installed"
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)

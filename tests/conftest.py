@@ -51,6 +51,7 @@ _SHARED = {
 _LONGEST = (
     "test_resume.py",
     "core",
+    "test_netns.py",
     "test_benchmarks.py",
     "test_stall.py",
     "test_gpu_check.py",

@@ -356,7 +356,7 @@ class Cluster:
                 "UsePAM no\n"
                 "StrictModes no\n"
                 "PrintMotd no\n"
-                "LogLevel ERROR\n"
+                "LogLevel INFO\n"
             )
             log = open(Path(tmp) / f"sshd-{node.hostname}.log", "w")
             self._daemons.append(
@@ -372,6 +372,21 @@ class Cluster:
                 if time.monotonic() > end:
                     raise RuntimeError(f"ssh from n0 to {node.hostname} fails after {timeout:.0f}s: {done.stderr}")
                 time.sleep(0.1)
+
+    def spawn(self, node: Node, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``argv`` on ``node`` in the background, its output in ``.stdout``
+        (text); ended with the cluster if still running."""
+        proc = subprocess.Popen(
+            node.argv(argv),
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._daemons.append(proc)
+        return proc
 
     def set_link(self, node: Node, *, up: bool) -> None:
         """Plug ``node``'s cluster cable in or out (its switch port up or down)."""
@@ -391,3 +406,110 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------ jobs on the nodes
+@dataclass(frozen=True)
+class Job:
+    """A command to run on a node."""
+
+    node: Node
+    argv: list[str]
+
+
+@dataclass
+class NodeResult:
+    returncode: int
+    output: str
+    seconds: float
+    #: time.monotonic() when the process ended (as polled, within 0.1 s).
+    ended: float
+
+
+def run_on_nodes(
+    jobs: list[Job],
+    env: dict[str, str],
+    timeout: float,
+    *,
+    while_running=None,  # type: ignore[no-untyped-def]
+    wait_all: bool = False,
+    logs: dict[int, Path] | None = None,
+) -> list[NodeResult]:
+    """Start every job at once (each in a session of its own, output to a
+    file) and wait for all.  A job that fails ends the others at once (their
+    peers are gone), unless ``wait_all``; past ``timeout`` everything is
+    killed and the test fails with each job's output.  ``while_running(procs)``
+    acts on the running jobs (its time counts); ``logs`` receives the output
+    files by job index, for it to read."""
+    import tempfile
+
+    import psutil
+    import pytest
+
+    folder = Path(tempfile.mkdtemp(prefix="netns-jobs-"))
+    paths = [folder / f"job{i}.log" for i in range(len(jobs))]
+    if logs is not None:
+        logs.update(enumerate(paths))
+    procs: list[subprocess.Popen] = []
+    ended: dict[int, float] = {}
+    start = time.monotonic()
+    hung = False
+    try:
+        for job, path in zip(jobs, paths):
+            with open(path, "w") as sink:
+                procs.append(
+                    subprocess.Popen(
+                        job.node.argv(job.argv),
+                        cwd=Path(__file__).resolve().parents[2],
+                        env=env,
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        if while_running is not None:
+            while_running(procs)
+        while True:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i] = now
+            if len(ended) == len(procs):
+                break
+            if not wait_all and any(p.returncode not in (None, 0) for p in procs):
+                break
+            if now - start > timeout:
+                hung = True
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            try:
+                children = psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
+            for child in children:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    now = time.monotonic()
+    results = [
+        NodeResult(p.returncode, path.read_text(errors="replace").replace("\r", "\n"), now - start, ended.get(i, now))
+        for i, (p, path) in enumerate(zip(procs, paths))
+    ]
+    shutil.rmtree(folder, ignore_errors=True)
+    if hung:
+        pytest.fail(f"the jobs ran past {timeout:.0f}s and were killed:\n{tails(results)}")
+    return results
+
+
+def tails(results: list[NodeResult], n: int = 40) -> str:
+    return "\n".join(
+        f"--- job {i} (exit {r.returncode}):\n" + "\n".join(r.output.splitlines()[-n:]) for i, r in enumerate(results)
+    )
