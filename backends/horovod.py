@@ -47,8 +47,12 @@ def host_name_problem(environ: Mapping[str, str], host: str | None = None) -> st
     the host name's address, whatever interface horovodrun chose
     (``HOROVOD_GLOO_IFACE``): where the name resolves to a loopback address,
     Debian's ``127.0.1.1``, the other machines dial their own loopback."""
-    if int(environ.get("HOROVOD_CROSS_SIZE") or 1) <= 1:  # one machine: the loopback is right
+    if int(environ.get("HOROVOD_CROSS_SIZE") or 1) <= 1:  # one host: the loopback is right
         return None
+    iface = environ.get("HOROVOD_GLOO_IFACE") or ""
+    table = network.interfaces()
+    if table.get(iface) and all(network.is_loopback(a) for a in table[iface]):
+        return None  # horovodrun's hosts are names of this machine (--network-interface lo)
     host = host or socket.gethostname()
     try:
         address: str | None = network.resolve(host)
@@ -56,8 +60,7 @@ def host_name_problem(environ: Mapping[str, str], host: str | None = None) -> st
         address = None
     if address is not None and not network.is_loopback(address):
         return None
-    iface = environ.get("HOROVOD_GLOO_IFACE") or ""
-    mine = [a for a in network.interfaces().get(iface, []) if ":" not in a]
+    mine = [a for a in table.get(iface, []) if ":" not in a]
     line = f"{mine[0] if mine else '<its address>'} {host}"
     return (
         f"horovod: this machine's host name {host} resolves to {address or 'nothing'} here, and Horovod's Gloo "
@@ -65,6 +68,19 @@ def host_name_problem(environ: Mapping[str, str], host: str | None = None) -> st
         f"{iface or 'unset'}): the other machines would dial {address or 'nothing'}; map {host} to the address "
         f"the other machines reach in /etc/hosts on this machine (the line `{line}`)"
     )
+
+
+def _driver_elsewhere(environ: Mapping[str, str]) -> bool:
+    """Whether horovodrun runs on another machine than this rank (its rendezvous is not here)."""
+    addr = environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if not addr:
+        return False
+    try:
+        address = network.resolve(addr)
+    except network.NetworkError:
+        return False
+    own = {a for addrs in network.interfaces().values() for a in addrs}
+    return not network.is_loopback(address) and address not in own
 
 
 class HorovodBackend(Backend):
@@ -112,8 +128,10 @@ class HorovodBackend(Backend):
             ) from None
         self.hvd = hvd
         problem = host_name_problem(os.environ) if launched else None
-        if problem:
+        if problem and _driver_elsewhere(os.environ):  # surely another machine
             raise LaunchError(problem)
+        if problem:  # the hosts may all be names of this machine, where the loopback works
+            warn(f"if this job's hosts are other machines, it fails at start-up: {problem}")
         hvd.init()
         self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
         self._local_world_size = hvd.local_size()
