@@ -8,13 +8,15 @@ explicitly.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from parallelx.collectives import Watch
 from parallelx.errors import ParallelxError
+from parallelx.lockstep import ForwardLockstep
 from parallelx.state import keep_rng_state
 
 
@@ -23,19 +25,29 @@ class DeepSpeedModel(nn.Module):
     built, its DeepSpeed engine (``.engine``).  Calls go through the engine;
     attributes the wrapper lacks are the engine's (``model.save_checkpoint``)."""
 
-    def __init__(self, backend: Any, module: nn.Module) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        build: Callable[[DeepSpeedModel, None], Any],
+        watch: Watch,
+        lockstep: ForwardLockstep | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
         # Not registered as submodules: the engine holds the same module again.
-        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "build", build)
+        object.__setattr__(self, "watch", watch)
+        object.__setattr__(self, "lockstep", lockstep)
         object.__setattr__(self, "engine", None)
         object.__setattr__(self, "trains", False)  # built with an optimizer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
             with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
-                self._backend._build(self, None)  # no optimizer came: an engine for inference
-        with self._backend._watch("forward (ZeRO-3 gathers parameters in it)"):
+                self.build(self, None)  # no optimizer came: an engine for inference
+        if self.lockstep is not None:
+            self.lockstep.check(self.training)
+        with self.watch("forward (ZeRO-3 gathers parameters in it)"):
             return self.engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DeepSpeedModel:

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from .compiling import MODES
 from .errors import ParallelxError
 from .loop import COMPRESSIONS, PRECISIONS
 from .protocol import Backend
@@ -127,6 +128,28 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
         default=None,
         help="gradient data type on the wire (default: none)" + NONE_IN_WORDS,
     )
+    model = parser.add_argument_group("model (applied by backend.wrap_model, as each backend needs)")
+    model.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: ddp's wrapper (its buckets still overlap), fsdp's units before "
+        "sharding, DeepSpeed's engine, the model elsewhere",
+    )
+    model.add_argument(
+        "--compile-mode",
+        choices=MODES,
+        default=None,
+        help="torch.compile's mode (implies --compile; default: default)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CLASSES",
+        help="recompute these modules' activations in the backward: auto (the blocks fsdp shards) or class "
+        "names, e.g. Block (default: off; the flag alone: auto)" + NONE_IN_WORDS,
+    )
     for name in names:
         if name == "auto":
             continue
@@ -146,6 +169,6 @@ def from_args(args: argparse.Namespace) -> Backend:
     return get_backend(name, **backend_class(name).options_from_args(args))
 
 
-# The names these had before; kept for scripts that use them.
+# Aliases, documented as such.
 add_backend_arguments = add_arguments
 backend_from_args = from_args

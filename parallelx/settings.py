@@ -94,4 +94,11 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("accumulate", "clip_grad_norm", "precision", "grad_compression"):
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
+    mode = getattr(args, "compile_mode", None)
+    if getattr(args, "compile", False) or mode is not None:
+        options["compile"] = mode or True
+    checkpointing = getattr(args, "activation_checkpointing", None)
+    if checkpointing is not None:
+        names = [n.strip() for n in checkpointing.split(",") if n.strip()]
+        options["activation_checkpointing"] = True if names in ([], ["auto"]) else names
     return options

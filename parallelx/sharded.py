@@ -2,7 +2,7 @@
 
 A backend that shards its parameters (``fsdp`` with ``sharded_checkpoints=True``)
 hands :func:`parallelx.save_training_state` this rank's shards by name
-(``Backend.sharded_state``) instead of whole tensors; they are written with
+(``StateIO.sharded_state``) instead of whole tensors; they are written with
 ``torch.distributed.checkpoint`` (DCP) into the checkpoint's temporary
 directory, beside the usual files, and published with it in one rename::
 
@@ -12,7 +12,7 @@ directory, beside the usual files, and published with it in one rename::
 
 No process ever holds the whole model.  Loading cuts the saved shards anew
 for this world size: the sharding backend reads its own slices
-(``Backend.load_sharded_state``); any other backend reads the whole tensors.
+(``StateIO.load_sharded_state``); any other backend reads the whole tensors.
 ``python -m parallelx convert-checkpoint SRC DST`` makes one portable file of
 a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 """
@@ -27,6 +27,7 @@ import torch
 
 from . import checkpoint
 from .errors import ParallelxError
+from .stateio import StateIO, plain_key
 
 #: The DCP folder inside a checkpoint directory.
 SHARDS = "shards"
@@ -73,21 +74,21 @@ def saved_keys(directory: Path) -> set[str]:
     return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
-def load(backend: Any, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
-    """Load a sharded checkpoint's model and optimizer state: the backend's own
-    slices where it shards, else the whole tensors.  Every rank calls it."""
-    live = set(backend.unwrap(model).state_dict().keys())
+def load(io: StateIO, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
+    """Load a sharded checkpoint's model and optimizer state through a backend's
+    state part: its own slices where it shards, else the whole tensors.  Every rank calls it."""
+    live = {plain_key(k) for k in io.unwrap(model).state_dict()}
     keys = saved_keys(path)
     if keys != live:
         raise ParallelxError(
             f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
             f"this model {sorted(keys - live)[:3]}"
         )
-    if backend.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
+    if io.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
         return
     weights, optim = read_whole(path)
-    backend.load_state_dict(model, weights)
-    backend.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
+    io.load_model_state_dict(model, weights)
+    io.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
 
 
 def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:

@@ -43,6 +43,7 @@ _SHARED = {
     "test_loops.py": "core",
     "test_trainstate_launch.py": "core",
     "test_gather_launch.py": "core",
+    "test_transformers.py": "core",
     "test_slurm.py": "engines",
     "test_ray.py": "engines",
 }

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import parallelx
 from parallelx import ParallelxError, ShardedSampler
 from parallelx.batchnorm import SyncBatchNorm
+from parallelx.collectives import Collectives
 from parallelx.protocol import Backend
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,30 +131,14 @@ class _Meeting:
         return seen
 
 
-class ThreadBackend(Backend):
-    """A backend whose ranks are threads of this process: the protocol's own
-    logic (shape agreement, ordering, the generic synchronised BatchNorm)
-    with the smallest possible primitives beneath it."""
-
-    name = "threads"
+class ThreadCollectives(Collectives):
+    """Collectives between thread-ranks: the smallest possible primitives."""
 
     def __init__(self, meeting: _Meeting, rank: int) -> None:
-        super().__init__(device="cpu", verbose=False)
-        self.meeting, self.thread_rank = meeting, rank
+        super().__init__(rank, len(meeting.slots))
+        self.meeting = meeting
 
-    def _init(self) -> None:
-        self._rank = self.thread_rank  # not log.set_rank: that is per process
-        self._world_size = len(self.meeting.slots)
-
-    def init(self) -> ThreadBackend:  # no CPU-thread limits or atexit hooks for a thread
-        self._init()
-        self._initialized = True
-        return self
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         parts = self.meeting.exchange(self.rank, tensor.clone())
         return {
             "sum": lambda: torch.stack(parts).sum(0),
@@ -167,8 +152,34 @@ class ThreadBackend(Backend):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self.meeting.exchange(self.rank, obj)[src]
 
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [t.clone() for t in self.meeting.exchange(self.rank, tensor)]
+
+
+class ThreadBackend(Backend):
+    """A backend whose ranks are threads of this process: the protocol's own
+    logic (shape agreement, ordering, the generic synchronised BatchNorm)
+    over thread collectives."""
+
+    name = "threads"
+
+    def __init__(self, meeting: _Meeting, rank: int) -> None:
+        super().__init__(device="cpu", verbose=False)
+        self.meeting, self.thread_rank = meeting, rank
+
+    def _init(self) -> None:
+        self._rank = self.thread_rank  # not log.set_rank: that is per process
+        self._world_size = len(self.meeting.slots)
+        self.comm = ThreadCollectives(self.meeting, self.thread_rank)
+
+    def init(self) -> ThreadBackend:  # no CPU-thread limits or atexit hooks for a thread
+        self._init()
+        self._initialized = True
+        self.loop = self._make_loop()
+        return self
+
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 def in_threads(world: int, body: Callable[[ThreadBackend], Any]) -> list[Any]:

@@ -123,7 +123,7 @@ def test_batches_without_length_and_limit():
         assert list(backend.batches(range(10), limit=3)) == [0, 1, 2]
         windows = []
         for _ in backend.batches(iter(range(5))):
-            windows.append((backend._loop.window.position, backend._loop.window.size))
+            windows.append((backend.loop.window.position, backend.loop.window.size))
         assert windows == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
 
 
