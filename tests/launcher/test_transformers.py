@@ -37,7 +37,11 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
     out = core_run(request.param, tmp_path_factory)[0] / "transformer"
-    return {"name": request.param, "out": out, "reports": section_reports(request.param, "transformer", tmp_path_factory)}
+    return {
+        "name": request.param,
+        "out": out,
+        "reports": section_reports(request.param, "transformer", tmp_path_factory),
+    }
 
 
 def test_sections_ran(job):

@@ -40,9 +40,7 @@ class Attention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
 
@@ -97,14 +95,18 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = idx.shape[1]
         tr = self.transformer
         x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(t, device=idx.device)))
         for block in tr.h:
             x = block(x)
         logits = self.lm_head(tr.ln_f(x)) * self.logit_scale + self.frozen_shift
-        loss = None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = (
+            None if targets is None else F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        )
         return logits, loss
 
 
