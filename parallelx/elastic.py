@@ -34,7 +34,7 @@ class ElasticHooks:
         """Run ``train()``, again in the new world after a lost rank where the
         launcher can change the world (``horovodrun --min-np --max-np``);
         elsewhere once.  ``train`` builds everything afresh each time and
-        resumes from ``parallelx.latest_checkpoint`` (README, "Surviving
+        resumes from ``parallelx.latest_checkpoint`` (docs/failures.md, "Surviving
         failures").  Returns what ``train()`` returned."""
         self._require_init()
         return train()
