@@ -576,7 +576,7 @@ class Backend(abc.ABC):
         """Run ``train()``, again in the new world after a lost rank where the
         launcher can change the world (``horovodrun --min-np --max-np``);
         elsewhere once.  ``train`` builds everything afresh each time and
-        resumes from ``parallelx.latest_checkpoint`` (see :mod:`parallelx.elastic`)."""
+        resumes from ``parallelx.latest_checkpoint`` (docs/failures.md, "Surviving failures")."""
         self._require_init()
         return self.elastic.run(train)
 

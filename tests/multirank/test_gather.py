@@ -1,7 +1,7 @@
 """Gathering and synchronised BatchNorm in-process: the world-of-one backends,
 the sampler's order bookkeeping, and the protocol's own logic in a world of
 threads (each thread a rank; collectives meet at a barrier).  The launcher
-tests are in ``tests/test_gather_launch.py``."""
+tests are in ``tests/launcher/test_gather_launch.py``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ through ``backend.batches`` / ``backend.autocast`` / ``backend.backward`` /
 ``backend.step``, and compares with the reference that every rank computes
 alone with plain torch.  Every rank writes ``<out>/rank<r>.json`` (errors,
 gradient norms, collective counts) and ``<out>/<case>-rank<r>.pt`` (the final
-weights, compared across backends by tests/test_loops.py).
+weights, compared across backends by tests/launcher/test_loops.py).
 
 Besides the named cases, a grid (:func:`grid_cases`) crosses clipping
 thresholds (binding at every step, at some steps, never), LR warm-ups of

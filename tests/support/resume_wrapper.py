@@ -1,4 +1,4 @@
-"""A recipe with faults injected, for tests/test_resume.py and test_multinode.py.
+"""A recipe with faults injected, for tests/system/test_resume.py and test_multinode.py.
 
 Runs ``recipes.<PXT_RECIPE>.main()`` (``cifar10`` by default, or ``dogcat``)
 unchanged, after patching three places to fail on purpose, as the
