@@ -4,7 +4,7 @@ PY := .venv/bin/python
 # them per environment, so two checkouts do not keep rebuilding each other's.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: setup train test test-fast bench docs docs-serve clean
+.PHONY: setup train test test-fast lint bench docs docs-serve clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +26,12 @@ test-fast: setup
 ## The benchmark table on this machine (quick mode, about 4 minutes on 2 cores).
 bench: setup
 	$(PY) -m benchmarks.run --mode quick
+
+## Lint, formatting and types (ruff; mypy over parallelx/ and backends/), as CI runs them.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 ## The documentation site (docs/ and the API reference from the docstrings) into site/.
 ## Strict: a link to a missing page or anchor fails the build.

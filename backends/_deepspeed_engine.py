@@ -84,14 +84,17 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         #: them in ``param_groups`` by its flat partitions): the order in which
         #: the clipping norm adds them up, as torch's does.
         self.trained_params: list[nn.Parameter] = list(params or [])
-        self._optimizer_step_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
+        # torch.optim.Optimizer has no public way to make its hook registries
+        # without building parameter groups of its own (its __init__ does both):
+        # they are made here, so that register_step_post_hook and the others work.
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -99,7 +102,7 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -107,7 +110,7 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return getattr(self.optimizer, "defaults", {})
 
@@ -162,5 +165,5 @@ def graph_parameters(loss: torch.Tensor) -> set[int]:
         var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
         if var is not None:
             found.add(id(var))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return found

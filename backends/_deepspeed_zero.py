@@ -44,7 +44,7 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """A parameter's whole shape, also under ZeRO-3 (where the local tensor is a shard)."""
     return tuple(getattr(param, "ds_shape", param.shape))
 
@@ -190,7 +190,7 @@ class GradSlice:
         return self.grad.numel() == full_numel(self.param)
 
 
-def full_numel(param: nn.Parameter) -> int:
+def full_numel(param: torch.Tensor) -> int:
     """A parameter's whole number of elements, also under ZeRO-3."""
     return int(getattr(param, "ds_numel", param.numel()))
 
@@ -238,7 +238,7 @@ def _averaged(zero: Any, group: int) -> list[torch.Tensor]:
 
 def global_grad_norm(
     slices: Sequence[GradSlice],
-    params: Sequence[nn.Parameter],
+    params: Sequence[torch.Tensor],
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     *,
     exact: bool,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -189,6 +190,8 @@ def load_sharded_state(
                 f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
                 "which this model does not have"
             )
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ParallelxError(f"fsdp: the sharded checkpoint {directory} holds {key} as bytes, not a tensor")
         dtype = meta.properties.dtype
         if tuple(meta.size) == tuple(p.shape):
             template.setdefault(name, {})[field] = torch.zeros_like(p, dtype=dtype)

@@ -35,21 +35,11 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from parallelx.backends import _deepspeed_zero as zero_state
-from parallelx.backends._deepspeed_config import (  # noqa: F401
-    PLAIN_MATH,
-    adopt_config,
-    build_config,
-    engine_clips,
-    math_changes,
-    read_config,
-)
-from parallelx.backends._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
 from parallelx.collectives import Collectives
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.gradsync import GradientSync, Models, model_order, owner_names
@@ -59,6 +49,17 @@ from parallelx.log import warn
 from parallelx.precision import EnginePrecision, Precision
 from parallelx.process_group import ProcessGroupBackend
 from parallelx.stateio import StateIO, Unwrap, keyed_like
+
+from . import _deepspeed_zero as zero_state
+from ._deepspeed_config import (  # noqa: F401
+    PLAIN_MATH,
+    adopt_config,
+    build_config,
+    engine_clips,
+    math_changes,
+    read_config,
+)
+from ._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
@@ -102,6 +103,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
     needs_watchdog = True
     # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
     precision_class = EnginePrecision
+    offloads = True
     install_hint = INSTALL_HINT
     probe_code = (
         "import deepspeed; from deepspeed.accelerator import get_accelerator; "
@@ -127,6 +129,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 f"deepspeed: gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
             )
         user = read_config(config)
+        if self.cpu_offload:
+            if (zero_stage or 0) < 1 and int(user.get("zero_optimization", {}).get("stage", 0)) < 1:
+                raise ParallelxError("deepspeed: --cpu-offload moves ZeRO's optimizer state: give --zero-stage 1 to 3")
+            # The optimizer's state and step on the CPU, with the user's torch optimizer (not DeepSpeed's own
+            # CPU Adam, which would change the math).
+            zero = user.setdefault("zero_optimization", {})
+            zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+            user.setdefault("zero_force_ds_cpu_optimizer", False)
         self.math_changes = math_changes(user)
         self.options = adopt_config(self.options, user, gradient_accumulation_steps)
         self._config_inputs = (user, zero_stage, micro_batch_size)
@@ -244,7 +254,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
                 "after wrap_model, or use backend.setup(model, optimizer)"
             )
-        return self._build(owner, optimizer)
+        built = self._build(owner, optimizer)
+        assert built is not None  # an optimizer was given
+        return built
 
     def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
         """Build ``wrapped``'s engine, with ``optimizer`` or for inference only (no optimizer)."""
@@ -269,8 +281,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
     # ------------------------------------------------------ the training loop
     def _options_changed(self) -> None:
         self.config = build_config(*self._config_inputs, self.options)
-        if self._initialized:
-            self.grad_sync.config = self.config  # type: ignore[attr-defined]
+        if isinstance(self.grad_sync, DeepSpeedSync):
+            self.grad_sync.config = self.config
         self._warn_rounding()
 
     def _warn_rounding(self) -> None:
@@ -310,7 +322,12 @@ class DeepSpeedSync(GradientSync):
         # parallelx marks the boundary (a shorter last window included) and has
         # already divided the loss by the window's length: DeepSpeed must not again.
         engine.set_gradient_accumulation_boundary(boundary)
-        engine.backward(loss, scale_wrt_gas=False)
+        # The engine hooks its forward's outputs to divide their gradients by the accumulation steps in
+        # a backward that is not its own, and tells its own by a hook on the tensor it is given, which
+        # runs after the output's hook when that tensor *is* an output (a model that returns its loss,
+        # in a window of one micro-batch): the loss then lost a factor of the window's steps.  A new
+        # tensor (exactly equal) carries the engine's hook instead, which runs first.
+        engine.backward(loss * 1.0, scale_wrt_gas=False)
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         if engine_clips(self.config):
@@ -327,7 +344,7 @@ class DeepSpeedSync(GradientSync):
         # reports that norm (clipping or not) on every rank.  When it clips,
         # the norm is torch's to the bit (split parameters are put together),
         # since it then scales the update.
-        ds: DeepSpeedOptimizer = optimizer  # type: ignore[assignment]
+        ds = cast(DeepSpeedOptimizer, optimizer)
         slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
         params = model_order(ds.trained_params, self.models())
         norm = zero_state.global_grad_norm(
@@ -338,19 +355,19 @@ class DeepSpeedSync(GradientSync):
         return norm
 
     def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
-        engine = optimizer.engine  # type: ignore[attr-defined]
+        engine = cast(DeepSpeedOptimizer, optimizer).engine
         before = engine.skipped_steps
         optimizer.step()
         return not engine.skipped_steps > before  # float16 overflow: skipped on every rank together
 
     def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        norm = optimizer.engine.get_global_grad_norm()  # type: ignore[attr-defined]
+        norm = cast(DeepSpeedOptimizer, optimizer).engine.get_global_grad_norm()
         return torch.tensor(float("nan") if norm is None else float(norm))
 
     def averaged_gradients(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         if self.zero_stage == 0:
             return super().averaged_gradients(optimizer)
-        ds: DeepSpeedOptimizer = optimizer  # type: ignore[assignment]
+        ds = cast(DeepSpeedOptimizer, optimizer)
         names = owner_names(ds.trained_params, self.models())
         slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
         whole = zero_state.whole_gradients(slices, ds.trained_params, lambda t: self.comm.all_reduce(t, "sum"))

@@ -43,10 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from parallelx.backends import _fsdp_state as fsdp_state
-from parallelx.backends.ddp import TORCHRUN
 from parallelx.collectives import Collectives
 from parallelx.compiling import compile_in_place
 from parallelx.errors import ParallelxError
@@ -57,6 +55,9 @@ from parallelx.process_group import ProcessGroupBackend
 from parallelx.state import named_from_indexed
 from parallelx.stateio import StateIO, Unwrap
 from parallelx.units import UnitPolicy, parse_names, select_units
+
+from . import _fsdp_state as fsdp_state
+from .ddp import TORCHRUN
 
 #: What ``shard=`` accepts (see :mod:`parallelx.units`).
 ShardPolicy = UnitPolicy
@@ -78,7 +79,7 @@ class ShardedPrecision(Precision):
 class FSDPSync(GradientSync):
     """FSDP2 reduce-scatters in its backward hooks; inside a window it keeps whole local gradients."""
 
-    def __init__(self, models: Models, comm: Collectives, sharded: list[nn.Module]) -> None:
+    def __init__(self, models: Models, comm: Collectives, sharded: list[FSDPModule]) -> None:
         super().__init__(models)
         self.comm = comm
         self.sharded = sharded
@@ -89,14 +90,14 @@ class FSDPSync(GradientSync):
     def no_sync(self) -> Iterator[None]:
         # Gradients stay whole and local inside a window; the last micro-batch reduce-scatters their sum.
         for m in self.sharded:
-            m.set_requires_gradient_sync(False)  # type: ignore[operator]
+            m.set_requires_gradient_sync(False)
         self.syncing = False
         try:
             yield
         finally:
             self.syncing = True
             for m in self.sharded:
-                m.set_requires_gradient_sync(True)  # type: ignore[operator]
+                m.set_requires_gradient_sync(True)
 
     def average_replicated(self, param: torch.Tensor) -> None:
         """A gradient hook for a parameter FSDP2 keeps whole on every rank (a
@@ -182,6 +183,7 @@ class FSDPBackend(ProcessGroupBackend):
         "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
     )
     precision_class = ShardedPrecision
+    offloads = True
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
     environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
@@ -242,10 +244,11 @@ class FSDPBackend(ProcessGroupBackend):
         self._join_rendezvous()
         # Explicit, on this process's device type: never FSDP2's accelerator default.
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self._models: list[nn.Module] = []
+        self._models: list[FSDPModule] = []
         self._renamed: dict[int, tuple[nn.Module, str]] = {}
         self._lockstep: ForwardLockstep | None = None
-        self.grad_sync = FSDPSync(self._set_up_modules, self.comm, self._models)
+        self._sync = FSDPSync(self._set_up_modules, self.comm, self._models)
+        self.grad_sync = self._sync
 
     # ------------------------------------------------------------ wrapping
     def units(self, model: nn.Module) -> list[nn.Module]:
@@ -270,25 +273,25 @@ class FSDPBackend(ProcessGroupBackend):
         scalars = {p for p in model.parameters() if p.dim() == 0}
         for p in scalars:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.grad_sync.average_replicated)  # type: ignore[attr-defined]
-        options = dict(
-            mesh=self.mesh,
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=policy,
-            ignored_params=scalars or None,
-        )
-        for unit in units:
-            if self.compile_options.enabled:  # per block, inside FSDP2's gathers and reduce-scatters
-                compile_in_place(unit, self.compile_options)
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
+                p.register_post_accumulate_grad_hook(self._sync.average_replicated)
+        for module in [*units, model]:
+            if module is not model and self.compile_options.enabled:  # per block, between FSDP2's collectives
+                compile_in_place(module, self.compile_options)
+            sharded = fully_shard(
+                module,
+                mesh=self.mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=policy,
+                offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+                ignored_params=scalars or None,
+            )
         if self.world_size > 1:
             if self._lockstep is None:
                 self._lockstep = ForwardLockstep("fsdp", self.rank, self.timeout_s)
             lockstep = self._lockstep
             # Before FSDP2's own pre-forward (its gathers): a rank-0-only forward is one clear error, not a hang.
             model.register_forward_pre_hook(lambda m, args: lockstep.check(m.training), prepend=True)
-        self._models.append(model)
+        self._models.append(sharded)
         return model
 
     def _compile(self, wrapped: nn.Module) -> None:

@@ -216,10 +216,10 @@ class HorovodSync(GradientSync):
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
         # Wait for the all-reduces (and start those a short window never
         # triggered), so that clipping sees the averaged gradients.
-        optimizer.synchronize()  # type: ignore[attr-defined]
+        cast(Any, optimizer).synchronize()  # hvd.DistributedOptimizer's
 
     def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
-        with optimizer.skip_synchronize():  # type: ignore[attr-defined]  (already averaged above)
+        with cast(Any, optimizer).skip_synchronize():  # already averaged above
             return super().apply(optimizer, precision)
 
 

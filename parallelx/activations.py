@@ -38,7 +38,7 @@ def checkpoint_forward(module: nn.Module) -> None:
             return forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    module.forward = checkpointed  # type: ignore[method-assign]
+    module.forward = checkpointed
     setattr(module, MARK, True)
 
 

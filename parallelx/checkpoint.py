@@ -54,7 +54,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_synced(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Create ``path``, fill it with ``write`` and flush it to disk."""
     with open(path, "wb") as f:
         write(f)
@@ -62,7 +62,7 @@ def write_synced(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Fill a temporary file beside ``path`` with ``write``, flush it, then
     rename it into place: a failure (or a crash) leaves any previous file intact."""
     path = Path(path)

@@ -17,7 +17,7 @@ import functools
 import math
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from .compiling import MODES
 from .errors import ParallelxError
@@ -42,7 +42,7 @@ def exit_on_error(fn: F) -> F:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)
 
 
 def positive_float(text: str) -> float:
@@ -149,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
         metavar="CLASSES",
         help="recompute these modules' activations in the backward: auto (the blocks fsdp shards) or class "
         "names, e.g. Block (default: off; the flag alone: auto)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep sharded state in CPU memory between uses, on GPUs: fsdp's parameters and gradients "
+        "(CPUOffloadPolicy), DeepSpeed ZeRO's optimizer state (offload_optimizer)",
     )
     for name in names:
         if name == "auto":

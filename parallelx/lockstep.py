@@ -55,7 +55,9 @@ class ForwardLockstep:
         self.who = who
         self.rank = rank
         # Gloo on the CPU whatever the model's device: a few integers, apart from the model's own collectives.
-        self.group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+        group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+        assert isinstance(group, dist.ProcessGroup)  # every rank is in it
+        self.group = group
         self.count = 0
 
     def check(self, training: bool) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -191,8 +191,8 @@ class TrainingLoop:
         """The number of batches every rank takes this pass: the shortest rank's
         ``len(loader)`` (capped by ``limit``), or None when a rank's loader has no length."""
         try:
-            n = len(loader)  # type: ignore[arg-type]
-        except TypeError:
+            n = len(loader) if isinstance(loader, Sized) else -1
+        except TypeError:  # a DataLoader over an IterableDataset has __len__ but no length
             n = -1
         if n >= 0 and limit is not None:
             n = min(n, limit)

@@ -96,6 +96,8 @@ class Backend(abc.ABC):
     environments: ClassVar[tuple[str, ...] | None] = None
     #: The precision part (:mod:`parallelx.precision`); an engine that casts and scales by itself gives a variant.
     precision_class: ClassVar[type[Precision]] = Precision
+    #: True for backends that can keep sharded state in CPU memory between uses (``cpu_offload=True``).
+    offloads: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class Backend(abc.ABC):
         grad_compression: str = "none",
         compile: bool | str | CompileOptions = False,
         activation_checkpointing: bool | UnitPolicy = None,
+        cpu_offload: bool = False,
         environment: ClusterEnvironment | None = None,
     ) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
@@ -133,6 +136,13 @@ class Backend(abc.ABC):
         #: Which units recompute their activations in the backward (:mod:`parallelx.activations`);
         #: None: none, True: the default units.
         self.activation_checkpointing: UnitPolicy | bool = activation_checkpointing or None
+        if cpu_offload and not self.offloads:
+            raise ParallelxError(
+                f"{self.name}: cpu_offload keeps sharded state in CPU memory; {self.name} keeps whole copies on the "
+                "device: use --backend fsdp, or deepspeed with --zero-stage 1 to 3"
+            )
+        #: Sharded state kept in CPU memory between uses (fsdp: parameters and gradients; ZeRO: optimizer state).
+        self.cpu_offload = bool(cpu_offload)
         #: Where this process's rank and world come from: given, or detected by init().
         self.environment: ClusterEnvironment | None = environment
         # The parts; a backend's _init() sets `comm` and replaces the others where it does differently.
@@ -245,6 +255,12 @@ class Backend(abc.ABC):
         self._initialized = True
         log.set_rank(self.rank)
         limit_cpu_threads(self.device, self.local_world_size)
+        if self.cpu_offload and self.device.type != "cuda":
+            self.abort()
+            raise ParallelxError(
+                f"{self.name}: --cpu-offload moves sharded state from the GPU's memory to the CPU's; this process "
+                f"already runs on {self.device}: leave it out here"
+            )
         try:
             self.precision = self._make_precision()  # on the device now known (16-mixed needs CUDA)
         except ParallelxError as exc:
@@ -337,9 +353,9 @@ class Backend(abc.ABC):
             )
             self.compile_options = CompileOptions(enabled=True)
         known = list(model.parameters())
-        if self.activation_checkpointing:
-            policy = None if self.activation_checkpointing is True else self.activation_checkpointing
-            activations.apply(model, policy)  # type: ignore[arg-type]
+        checkpointing = self.activation_checkpointing
+        if checkpointing is not None and checkpointing is not False:
+            activations.apply(model, None if isinstance(checkpointing, bool) else checkpointing)
         with keep_rng_state():
             wrapped = self._wrap_model(model)
             if self.compile_options.enabled:

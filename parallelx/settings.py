@@ -97,6 +97,8 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
     mode = getattr(args, "compile_mode", None)
     if getattr(args, "compile", False) or mode is not None:
         options["compile"] = mode or True
+    if getattr(args, "cpu_offload", False):
+        options["cpu_offload"] = True
     checkpointing = getattr(args, "activation_checkpointing", None)
     if checkpointing is not None:
         names = [n.strip() for n in checkpointing.split(",") if n.strip()]

@@ -20,6 +20,7 @@ a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +51,16 @@ def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
 def read_whole(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's and the optimizer's whole tensors from ``directory/shards``
     (written at any world size), on the CPU, read by this process alone."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = directory / SHARDS
     if not (folder / ".metadata").is_file():
         raise ParallelxError(f"{directory} is not a sharded checkpoint (no {SHARDS}/.metadata)")
-    state: dict[str, Any] = {}
-    # What torch's own dcp_to_torch_save does: the planner makes the whole tensors from the file's index
-    # (dcp.load leaves an empty dict empty).
-    _load_state_dict(
-        state, storage_reader=dcp.FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    # torch's own conversion (whole tensors from the shards' index), through a temporary file.
+    with tempfile.TemporaryDirectory(prefix="parallelx-whole-") as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(folder, whole)
+        state = torch.load(whole, map_location="cpu", weights_only=True)
     return state["model"], state.get("optimizer", {}).get("state", {})
 
 

@@ -145,6 +145,7 @@ def save_training_state(
     tmp, error = backend.broadcast((tmp, error), src=0)
     if error is not None:
         raise ParallelxError(error)
+    assert tmp is not None  # error was None: rank 0 made it
     tmp_dir = Path(tmp)
     mine = None
     try:
@@ -176,7 +177,8 @@ def save_training_state(
     error = backend.broadcast(error, src=0)
     if error is not None:
         raise ParallelxError(error)
-    backend.environment.checkpoint_saved(final, step)  # type: ignore[union-attr]  # (Ray Train keeps it)
+    if backend.environment is not None:  # (Ray Train keeps a copy)
+        backend.environment.checkpoint_saved(final, step)
     return final
 
 

@@ -249,7 +249,8 @@ def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 class CollectiveCounter:
     """Counts gradient reductions started through each backend's Python entry points."""
 
-    def __init__(self, backend_name: str) -> None:
+    def __init__(self, backend_name: str, backend: Any = None) -> None:
+        self.backend = backend
         self.count = 0
         self._undo: list[tuple[Any, str, Any]] = []
         targets: list[tuple[Any, str]] = []
@@ -286,10 +287,17 @@ class CollectiveCounter:
 
     def _wrap(self, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
+            # Not parallelx's lockstep check (before a forward that gathers parameters): it
+            # exchanges two integers per forward over a group of its own, no gradients.
+            if kwargs.get("group") is None or kwargs["group"] is not self.ignored_group():
+                self.count += 1
             return fn(*args, **kwargs)
 
         return counted
+
+    def ignored_group(self) -> Any:
+        lockstep = getattr(self.backend, "_lockstep", None)
+        return None if lockstep is None else lockstep.group
 
     def ddp_hook(self) -> Any:
         """A DDP communication hook: DDP's own all-reduce, counted.  (No
@@ -380,7 +388,7 @@ def main() -> None:
                 rep[name] = {"error": str(exc)}
                 continue
             x, y = global_data(steps, w)
-            counter = CollectiveCounter(backend.name) if name == "accumulate-clip" else None
+            counter = CollectiveCounter(backend.name, backend) if name == "accumulate-clip" else None
             try:
                 got = train(backend, shard(x, y, r, w), counter=counter)
             finally:

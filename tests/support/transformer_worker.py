@@ -16,6 +16,10 @@ AdamW with three groups of different hyperparameters.  Sections:
   ``<out>/grads-<precision>.pt`` for the comparison across backends.
 - ``save``: ``backend.save`` and a training-state checkpoint of that model
   and optimizer, loaded back into a fresh set-up: equal, with plain names.
+- ``grid``: the loop grid's options on this model: accumulation (with a
+  short last window), clipping, bf16-mixed and a warm-up then cosine
+  schedule, against one process on the global batch; the final weights go to
+  ``<out>/grid-rank<r>.pt`` for the comparison across backends.
 - ``recompute``: the same steps with dropout, with and without activation
   checkpointing (``auto``: the model's blocks): the weights, to the bit.
 - ``rank0``: a forward on rank 0 alone, in evaluation mode, while rank 1 runs
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -203,7 +208,81 @@ def section_rank0(backend: parallelx.Backend, out: Path, rep: dict[str, Any]) ->
         backend.barrier()
 
 
-SECTIONS = {"grads": section_grads, "recompute": section_recompute, "rank0": section_rank0}
+#: The loop grid's options on the GPT: (accumulate, precision, clip), each with a warm-up then cosine schedule.
+GRID = [(1, "32", None), (3, "32", 0.5), (1, "bf16-mixed", 0.5), (3, "bf16-mixed", None)]
+GRID_MICRO = 7  # micro-batches: with accumulate 3, windows of 3, 3 and a short last one of 1
+
+
+def schedule(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warm-up over 2 steps, then cosine to 0."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / max(1, steps - 2)))
+    )
+
+
+def grid_reference(world: int, accumulate: int, precision: str, clip: float | None, cfg: Config) -> dict[str, Any]:
+    """One process on the global batches (every rank's micro-batch t together), plain torch."""
+    model = fresh(cfg)
+    optimizer = adamw_groups(model)
+    steps = -(-GRID_MICRO // accumulate)
+    scheduler = schedule(optimizer, steps)
+    trained = [
+        p for n, p in model.named_parameters() if any(p is q for g in optimizer.param_groups for q in g["params"])
+    ]
+    norms = []
+    for start in range(0, GRID_MICRO, accumulate):
+        window = range(start, min(start + accumulate, GRID_MICRO))
+        for t in window:
+            xs, ys = zip(*(tokens(r, t, B, cfg) for r in range(world)))
+            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
+                _, loss = model(torch.cat(xs), torch.cat(ys))
+            (loss / len(window)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(trained, clip if clip else float("inf"))
+        norms.append(float(norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms}
+
+
+def section_grid(backend: parallelx.Backend, out: Path, rep: dict[str, Any]) -> None:
+    """The loop grid's options (accumulation with a short last window, clipping, bf16, a schedule) on the GPT
+    with AdamW groups and tied weights, against one process on the global batch."""
+    cfg = Config(bias=False)  # nanoGPT's: no attention key bias, whose zero gradient is pure rounding noise
+    grid: dict[str, Any] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    for accumulate, precision, clip in GRID:
+        name = f"accumulate={accumulate} {precision} clip={clip}"
+        backend.set_options(accumulate=accumulate, clip_grad_norm=clip, precision=precision)
+        m = fresh(cfg)
+        model, optimizer = backend.setup(m, adamw_groups(m))
+        assert optimizer is not None
+        steps = -(-GRID_MICRO // accumulate)
+        scheduler = schedule(optimizer, steps)
+        norms = []
+        for x, y in backend.batches([tokens(backend.rank, t, B, cfg) for t in range(GRID_MICRO)]):
+            with backend.autocast():
+                _, loss = model(x.to(backend.device), y.to(backend.device))
+            backend.backward(loss)
+            result = backend.step(optimizer, scheduler)
+            if result is not None:
+                norms.append(float(result.grad_norm))
+        got = backend.model_state_dict(model)
+        ref = grid_reference(backend.world_size, accumulate, precision, clip, cfg)
+        weights[name] = got
+        grid[name] = {
+            "rel_err": max(rel(got[k], ref["weights"][k]) for k in got),
+            "norms": norms,
+            "ref_norms": ref["norms"],
+            "steps": steps,
+            "precision": precision,
+            "accumulate": accumulate,
+        }
+    rep["grid"] = grid
+    torch.save(weights, out / f"grid-rank{backend.rank}.pt")
+
+
+SECTIONS = {"grads": section_grads, "grid": section_grid, "recompute": section_recompute, "rank0": section_rank0}
 
 
 def main() -> None:
