@@ -191,6 +191,8 @@ class TrainingLoop:
         self.backend = backend
         #: Where the current micro-batch sits (SINGLE outside batches()).
         self.window: Window = SINGLE
+        #: Told where each step is (parallelx.tracking.Monitor: throughput, profiles, logging intervals).
+        self.meter = backend.monitor
 
     def batches(self, loader: Iterable[T], limit: int | None = None) -> Iterator[T]:
         b = self.backend
@@ -198,10 +200,13 @@ class TrainingLoop:
             raise ParallelxError(f"batches(limit=...) must be >= 1, got {limit}")
         n = self._agreed_length(loader, limit)
         size = b.options.accumulate
+        meter = self.meter
+        meter.pass_start()
         iterator = iter(loader)
         try:
             if n is not None:
                 for i in range(n):
+                    meter.requested()
                     try:
                         batch = next(iterator)
                     except StopIteration:
@@ -210,12 +215,15 @@ class TrainingLoop:
                             f"{n}; other ranks may now wait for this one"
                         ) from None
                     start = i - i % size
+                    meter.ready(batch)
                     yield from self._micro_batch(batch, Window(i - start, min(size, n - start), managed=True))
+                meter.pass_end()
                 return
             # Lengths unknown: read a window ahead, then agree on how much of it every rank has.
             seen = 0
             while True:
                 want = size if limit is None else min(size, limit - seen)
+                meter.requested()
                 window = list(itertools.islice(iterator, want))
                 k = int(b.all_reduce(torch.tensor([len(window)]), op="min").item()) if b.world_size > 1 else len(window)
                 if k < len(window):
@@ -224,12 +232,15 @@ class TrainingLoop:
                         "rank stops with the shortest, so no collective waits for a rank that has finished)"
                     )
                 for j in range(k):
+                    meter.ready(window[j])
                     yield from self._micro_batch(window[j], Window(j, k, managed=True))
                 seen += k
                 if k < want or (limit is not None and seen >= limit):
+                    meter.pass_end()
                     return
         finally:
             self.window = SINGLE
+            meter.pass_paused()  # left early (a break, an error): no collective here
 
     def _agreed_length(self, loader: Iterable[Any], limit: int | None) -> int | None:
         """The number of batches every rank takes this pass: the shortest rank's
@@ -273,6 +284,7 @@ class TrainingLoop:
         loss = b.precision.scale(loss)
         with b._watch("backward (the gradient all-reduce)"):
             b._backward(loss, model=model, boundary=window.boundary)
+        self.meter.backward_done()
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
         b = self.backend
@@ -288,4 +300,5 @@ class TrainingLoop:
         if scheduler is not None and not skipped:
             scheduler.step()
         optimizer.zero_grad()
+        self.meter.step_done()
         return StepResult(grad_norm=norm.detach(), skipped=skipped)

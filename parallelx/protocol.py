@@ -50,6 +50,7 @@ from .settings import (  # noqa: F401
     pick_device,
 )
 from .state import keep_rng_state
+from .tracking import Monitor, MonitorOptions
 from .utils import has_batchnorm, missing_package
 from .watchdog import Watchdog
 
@@ -89,6 +90,9 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         precision: str = "32",
         grad_compression: str = "none",
         environment: ClusterEnvironment | None = None,
+        loggers: str | Sequence[str] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        monitor: MonitorOptions | Mapping[str, Any] | None = None,
     ) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
         #: which then overrides a launcher's own default.
@@ -106,6 +110,8 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         self._check_options(self.options)
         #: Where this process's rank and world come from: given, or detected by init().
         self.environment: ClusterEnvironment | None = environment
+        #: Trackers, throughput and profiles (:mod:`parallelx.tracking`); the loop marks its steps for it.
+        self.monitor = Monitor(self, MonitorOptions.make(monitor, loggers=loggers, log_dir=log_dir))
         self._loop = TrainingLoop(self)
         #: Everything ``precision`` changes (:class:`parallelx.precision.Precision`); made again by init().
         self.precision: Precision = self._make_precision()
@@ -223,6 +229,7 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         if self._initialized:
             try:
                 with self._watch("shutdown"):
+                    self.monitor.close()  # the last metrics (a collective when reduced), the trackers closed
                     self._shutdown(failed=False)
             finally:
                 self._initialized = False
@@ -235,6 +242,7 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         (they may be dead or stuck): for the error path.  Safe to call more than once."""
         if self._initialized:
             try:
+                self.monitor.close(failed=True)
                 self._shutdown(failed=True)
             except Exception as exc:  # the error that brought us here matters more
                 log.warn(f"{self.name}: releasing the backend after a failure raised {type(exc).__name__}: {exc}")
@@ -345,6 +353,19 @@ class Backend(LoopHooks, StateHooks, ElasticHooks, abc.ABC):
         gradients, and return the :class:`~parallelx.loop.StepResult`."""
         self._require_init()
         return self._loop.step(optimizer, scheduler)
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        reduce: str | Mapping[str, str | None] | None = None,
+    ) -> None:
+        """Log ``metrics`` (name -> number or one-element tensor) at ``step`` (default: optimizer steps so far) to the
+        ``loggers``.  Call it on every rank; rank 0 writes.  Tensors are read in one batch at the next logging interval,
+        never here.  ``reduce`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``, or a dict of name -> operation)
+        reduces across the ranks; without it, rank 0's own values are written.  See :mod:`parallelx.tracking`."""
+        self.monitor.log_metrics(metrics, step, reduce)
 
     def set_options(self, **changes: Any) -> LoopOptions:
         """Change loop options (``accumulate``, ``clip_grad_norm``, ``precision``,

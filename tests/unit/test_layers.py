@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Bottom to top: a module may import its own layer's and lower layers' modules only.
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
-    {"settings", "state", "launch", "runner", "environments", "precision"},
-    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded"},
+    {"settings", "state", "launch", "runner", "environments", "precision", "throughput", "profiling"},
+    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded", "tracking"},
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
     {"registry"},
@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
+HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (parallelx/tracking/)
 
 
 def modules() -> dict[str, Path]:
