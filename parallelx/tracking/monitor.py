@@ -65,7 +65,7 @@ class _Entry:
     wall_time: float
     names: list[str]
     values: list[float]  # the numbers; nan where the value is in a tensor part, until read
-    parts: list[tuple[list[int], torch.Tensor]]  # (positions in names, float64 values on one device)
+    parts: list[tuple[int, torch.Tensor]]  # (position in names, a one-element copy on the device)
     ops: list[str | None]  # the reduce operation of each name
 
 
@@ -119,7 +119,7 @@ class Monitor:
         names: list[str] = []
         values: list[float] = []
         kept_ops: list[str | None] = []
-        tensors: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        parts: list[tuple[int, torch.Tensor]] = []
         for (name, value), op in zip(metrics.items(), ops):
             if not isinstance(name, str):
                 raise ParallelxError(f"log_metrics: metric names must be strings, got {name!r}")
@@ -131,9 +131,8 @@ class Monitor:
                     )
                 if not main and op is None:
                     continue
-                slots, parts = tensors.setdefault(value.device, ([], []))
-                slots.append(len(names))
-                parts.append(value.detach().reshape(()))
+                # A copy on the tensor's device (asynchronous there): the caller may change its tensor afterwards.
+                parts.append((len(names), value.detach().clone()))
                 values.append(math.nan)
             else:
                 try:
@@ -148,13 +147,9 @@ class Monitor:
                 values.append(number)
             names.append(name)
             kept_ops.append(op)
-        if not names:
-            return
-        # One copy per device and call: the caller may change its tensors in place afterwards.
-        parts = [(slots, torch.stack(ts).to(torch.float64)) for slots, ts in tensors.values()]
-        self._pending.append(
-            _Entry(self.steps if step is None else int(step), time.time(), names, values, parts, kept_ops)
-        )
+        if names:
+            entry = _Entry(self.steps if step is None else int(step), time.time(), names, values, parts, kept_ops)
+            self._pending.append(entry)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
         """Record ``params`` (a dict, or an ``argparse.Namespace``) with the
@@ -187,6 +182,12 @@ class Monitor:
                 for e in entries
             ]
             self._ensure_writer().put(("metrics", batch))
+
+    def wait_written(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until the trackers have written what was handed to them (rank 0;
+        at once elsewhere); False if ``timeout`` passed first.  For tests and
+        benchmarks: training never needs to wait for them."""
+        return self._writer is None or self._writer.wait(timeout)
 
     def _ensure_writer(self) -> _Writer:
         if self._writer is None:
@@ -328,18 +329,16 @@ def _reduce_ops(metrics: Mapping[str, Any], reduce: Reduce) -> list[str | None]:
 
 def _read_device_values(entries: list[_Entry]) -> None:
     """Fill in the tensors' values: one transfer to the host per device for all the entries."""
-    by_device: dict[torch.device, list[tuple[_Entry, list[int], torch.Tensor]]] = {}
+    by_device: dict[torch.device, list[tuple[_Entry, int, torch.Tensor]]] = {}
     for e in entries:
-        for slots, t in e.parts:
-            by_device.setdefault(t.device, []).append((e, slots, t))
+        for slot, t in e.parts:
+            by_device.setdefault(t.device, []).append((e, slot, t))
         e.parts = []
     for items in by_device.values():
-        host = torch.cat([t for _, _, t in items]).cpu().tolist()
-        i = 0
-        for e, slots, _ in items:
-            for slot in slots:
-                e.values[slot] = host[i]
-                i += 1
+        # One concatenation (its dtype promoted over the parts'), one copy to the host: the only wait for the device.
+        host = torch.cat([t.reshape(1) for _, _, t in items]).to(torch.float64).cpu().tolist()
+        for (e, slot, _), value in zip(items, host):
+            e.values[slot] = value
 
 
 def _reduce(entries: list[_Entry], backend: Backend, *, failed: bool) -> int:
@@ -389,6 +388,12 @@ class _Writer:
         if self.error is not None:
             raise ParallelxError(self.error)
 
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
     def close(self, *, failed: bool) -> None:
         self._queue.put(("close", failed))
         self._thread.join(CLOSE_TIMEOUT_S)
@@ -422,6 +427,7 @@ class _Writer:
                 except Exception as exc:  # one failing tracker must not stop training or the others
                     warn(f"logger {tracker.name!r} failed and is left out from now on: {type(exc).__name__}: {exc}")
                     live.remove(tracker)
+            self._queue.task_done()
             if kind == "close":
                 return
 
