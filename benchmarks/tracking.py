@@ -37,10 +37,11 @@ from torch import nn
 
 import parallelx
 from benchmarks import stats
-from benchmarks.run import ROOT
 from parallelx import envreport, throughput
 from parallelx.cli import exit_on_error, positive_int
 from recipes.models import LeNet
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Batches:
@@ -68,7 +69,7 @@ class Side:
         self.criterion = nn.CrossEntropyLoss()
         self.block_times: list[list[float]] = []
         self.syncs = 0
-        self.log_s = 0.0  # host time inside log_metrics, timed blocks only
+        self.log_s: list[float] = []  # host time inside each log_metrics call, timed blocks only
 
     def run(self, k: int, *, timed: bool = True) -> None:
         """``k`` steps; one synchronisation at the end (on a GPU), counted in the block's time."""
@@ -87,7 +88,7 @@ class Side:
                     t = time.perf_counter()
                     self.backend.log_metrics({"train/loss": loss, "lr": self.opt.param_groups[0]["lr"]})
                     if timed:
-                        self.log_s += time.perf_counter() - t
+                        self.log_s.append(time.perf_counter() - t)
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.synchronize(device)
@@ -97,16 +98,21 @@ class Side:
             self.syncs += sum("synchroniz" in str(w.message) for w in caught)
 
 
-def marks_us(batch: tuple[torch.Tensor, torch.Tensor], n: int = 20_000) -> float:
-    """Host microseconds the meter's four marks of one step take (no FLOP count, no interval)."""
+def marks_us(batch: tuple[torch.Tensor, torch.Tensor], chunks: int = 200, steps: int = 100) -> float:
+    """Host microseconds the meter's four marks of one step take: the median over
+    chunks of ``steps`` steps, each chunk's interval closed untimed."""
     meter = throughput.StepMeter(batch[0].device, world_size=1, reduce_sum=lambda t: t, peak=None, count_flops=False)
-    start = time.perf_counter()
-    for _ in range(n):
-        meter.requested()
-        meter.ready(batch)
-        meter.backward_done()
-        meter.step_done()
-    return (time.perf_counter() - start) / n * 1e6
+    times = []
+    for _ in range(chunks):
+        start = time.perf_counter()
+        for _ in range(steps):
+            meter.requested()
+            meter.ready(batch)
+            meter.backward_done()
+            meter.step_done()
+        times.append((time.perf_counter() - start) / steps)
+        meter.interval()
+    return statistics.median(times) * 1e6
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,7 +179,7 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "blocks_monitored_faster": sum(r < 1 for r in ratios),
         "block_ratio_range": [min(ratios), max(ratios)],
         "syncs_per_step": a.syncs / (args.blocks * args.steps) if device == "cuda" else None,
-        "log_metrics_us": a.log_s / (args.blocks * args.steps) * 1e6,
+        "log_metrics_us": statistics.median(a.log_s) * 1e6,
         "marks_us": marks_us(data[0]),
         "device": device,
         "last_interval": latest,
@@ -195,7 +201,7 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f"- blocks with the monitored side faster: {r['blocks_monitored_faster']} of {meta['blocks']}; "
         f"single-block ratios {r['block_ratio_range'][0]:.3f} to {r['block_ratio_range'][1]:.3f}\n"
         f"- synchronising calls per step on the monitored side: {syncs}\n"
-        f"- host time per step: `log_metrics` {r['log_metrics_us']:.1f} µs, the meter's four marks "
+        f"- host time per step (medians): `log_metrics` {r['log_metrics_us']:.1f} µs, the meter's four marks "
         f"{r['marks_us']:.1f} µs (without the trackers' thread and the intervals; "
         f"{(r['log_metrics_us'] + r['marks_us']) / 10 / r['plain_ms']:.3f} % of a step)\n"
         f"- device {r['device']}; last interval's figures: "

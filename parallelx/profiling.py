@@ -137,7 +137,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.written.append(snapshot)
         if self.rank == 0:
-            sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS)
             print(
                 f"profile of optimizer steps {self.first}:{self.last} (rank 0; every rank's trace is in {out}):\n{table}",

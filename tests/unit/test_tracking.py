@@ -286,6 +286,16 @@ def test_third_party_trackers_by_registration_and_entry_point(tmp_path, monkeypa
         assert kinds == ["open", "hyperparams", "metrics", "close"]
         assert MemoryTracker.seen[1][1]["lr"] == 0.5 and MemoryTracker.seen[2][1] == (7, {"a": 2.0})
         assert MemoryTracker.seen[3][1] is False
+        # A run that fails: what rank 0 logged is still written, and the tracker hears of the failure.
+        MemoryTracker.seen.clear()
+        with (
+            pytest.raises(RuntimeError, match="diverged"),
+            parallelx.get_backend("single", loggers="memory", log_dir=tmp_path) as b,
+        ):
+            b.log_metrics({"a": torch.tensor(3.0)}, step=1)
+            raise RuntimeError("diverged")
+        assert [k for k, _ in MemoryTracker.seen] == ["open", "hyperparams", "metrics", "close"]
+        assert MemoryTracker.seen[2][1] == (1, {"a": 3.0}) and MemoryTracker.seen[3][1] is True
     finally:
         _REGISTERED.pop("memory", None)
 
