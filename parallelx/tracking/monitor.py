@@ -294,7 +294,7 @@ class Monitor:
     # ------------------------------------------------------------ the end
     def close(self, *, failed: bool = False) -> None:
         """Write what is left and close the trackers (shutdown; ``failed``:
-        abort, where no collective may run).  Safe to call more than once."""
+        abort, where no collective may run and nothing may raise).  Safe to call more than once."""
         if self._closed:
             return
         self._closed = True
@@ -306,6 +306,10 @@ class Monitor:
             if self.profiler is not None:
                 self.profiler.close()
             self._flush(failed=failed)
+        except Exception as exc:
+            if not failed:
+                raise
+            warn(f"the last metrics could not be written after the failure: {type(exc).__name__}: {exc}")
         finally:
             if self._writer is not None:
                 self._writer.close(failed=failed)
