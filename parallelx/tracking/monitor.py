@@ -220,7 +220,7 @@ class Monitor:
             self._run_dir = Path(b.broadcast(str(self.run_dir) if b.rank == 0 else None, src=0))
         if o.measures_throughput:
             peak, why = peak_flops(b.device, b.options.precision, o.peak_tflops)
-            if peak is None and o.count_flops:
+            if peak is None and (o.count_flops or o.flops_per_sample):
                 warn(f"MFU is not reported: {why}")
             self.meter = StepMeter(
                 b.device,
@@ -228,8 +228,10 @@ class Monitor:
                 reduce_sum=lambda t: b.all_reduce(t, "sum") if b.world_size > 1 else t,
                 peak=peak,
                 tokens_per_sample=o.tokens_per_sample,
-                count_flops=o.count_flops,
+                count_flops=o.count_flops and o.flops_per_sample is None,
             )
+            if o.flops_per_sample is not None:
+                self.meter.flops_per_sample = float(o.flops_per_sample)
         if o.profile_steps is not None:
             self.profiler = StepProfiler(
                 o.profile_steps,

@@ -44,6 +44,9 @@ class MonitorOptions:
     run_name: str | None = None
     #: Count the FLOPs of the first micro-batch (FlopCounterMode); False: no FLOP/s, no MFU.
     count_flops: bool = True
+    #: FLOPs of one sample's forward and backward, when you know them (e.g. 6 x parameters x tokens
+    #: for a transformer): used instead of counting.
+    flops_per_sample: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loggers", parse_loggers(self.loggers))
@@ -58,6 +61,10 @@ class MonitorOptions:
         ):
             raise ParallelxError(f"tokens_per_sample must be an integer >= 1, got {self.tokens_per_sample!r}")
         object.__setattr__(self, "profile_steps", parse_steps(self.profile_steps))
+        if self.flops_per_sample is not None and not (
+            self.flops_per_sample > 0 and math.isfinite(self.flops_per_sample)
+        ):
+            raise ParallelxError(f"flops_per_sample must be a finite number > 0, got {self.flops_per_sample!r}")
 
     @property
     def measures_throughput(self) -> bool:

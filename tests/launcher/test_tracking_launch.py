@@ -17,8 +17,10 @@ script's own record:
 - the FLOPs counted on the wrapped or sharded model (DDP, ZeRO-3, FSDP2)
   are LeNet's analytic forward+backward count per sample; with
   ``--peak-tflops`` the MFU is FLOP/s per rank over that peak;
-- ``--profile-steps 2:3`` leaves one Chrome trace per rank that loads as
-  JSON and holds both steps; rank 0 prints the operations table once.
+- ``--profile-steps 2:3`` (ddp, horovod) leaves one Chrome trace per rank
+  that loads as JSON and holds both steps; rank 0 prints the operations table once;
+- MLflow writes to ``$MLFLOW_TRACKING_URI`` when it is set (fsdp), else to
+  the SQLite file in the run directory.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ RUNS: dict[str, tuple[str, str, list[str], list[str]]] = {
         ["--logger", "tensorboard,mlflow,csv", "--logger-every", "3", "--peak-tflops", "2"],
     ),
     "fsdp": (*backend_cases("fsdp")["fsdp"], ["--logger", "tensorboard,mlflow,csv", "--logger-every", "5"]),
-    "horovod": (*backend_cases("horovod")["horovod"], ["--logger", "csv,wandb"]),
+    "horovod": (*backend_cases("horovod")["horovod"], ["--logger", "csv,wandb", "--profile-steps", "2:3"]),
 }
 
 
@@ -68,10 +70,10 @@ def read_tensorboard(run: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def read_mlflow(run: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
+def read_mlflow(uri: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments)
     assert len(runs) == 1, f"one writer per run: expected one MLflow run, found {len(runs)}"
@@ -150,11 +152,14 @@ def test_trackers_read_back_what_the_script_logged(run, tmp_path, monkeypatch):
     launcher, backend, extra, own = RUNS[run]
     require_launcher(launcher)
     monkeypatch.delenv("WANDB_MODE", raising=False)  # W&B runs offline unless told otherwise
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
+    # MLflow writes to $MLFLOW_TRACKING_URI when it is set (fsdp's run), else to a SQLite file in the run directory.
+    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}" if run == "fsdp" else f"sqlite:///{out / 'mlflow.db'}"
     res = launch(
         launcher,
         [WORKER, "--backend", backend, *extra, *own, "--logger-dir", str(out), "--record", str(out / "record.json")],
-        env={"WANDB_SILENT": "true"},
+        env={"WANDB_SILENT": "true", **({"MLFLOW_TRACKING_URI": uri} if run == "fsdp" else {})},
         timeout=240,
     )
     assert res.returncode == 0, res.tail()
@@ -172,7 +177,8 @@ def test_trackers_read_back_what_the_script_logged(run, tmp_path, monkeypatch):
         tb = read_tensorboard(out)
         check_series(tb, record, rel=1e-6, where="tensorboard")  # event files hold float32
         assert dict(tb["throughput/samples_per_s"]) == pytest.approx(dict(series["throughput/samples_per_s"]), rel=1e-6)
-        ml, ml_params = read_mlflow(out)
+        ml, ml_params = read_mlflow(uri)
+        assert (out / "mlflow.db").exists() == (run != "fsdp")
         check_series(ml, record, rel=1e-12, where="mlflow")
         check_throughput(ml, record, where="mlflow")
         assert ml_params["parallelx/backend"] == backend and ml_params["epochs"] == str(EPOCHS)

@@ -396,13 +396,24 @@ def test_lenet_flops_equal_the_analytic_count_of_its_layers():
 
     # The meter counts the same in the training loop, once, on the first micro-batch.
     with parallelx.get_backend("single", monitor={"throughput": True}) as backend:
-        model, opt = backend.setup(LeNet(), torch.optim.SGD(LeNet().parameters(), lr=0.1))
+        net = LeNet()
+        model, opt = backend.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         data = [(torch.randn(5, 3, 32, 32), torch.randint(0, 10, (5,))) for _ in range(2)]
         for xb, yb in backend.batches(data):
             backend.backward(nn.functional.cross_entropy(model(xb), yb))
             backend.step(opt)
         assert backend.monitor.meter.flops_per_sample == 3_146_400
         assert backend.monitor.latest["throughput/flops_per_s"] > 0 and "throughput/mfu" not in backend.monitor.latest
+    # A figure given instead of counted, and a peak: MFU.
+    with parallelx.get_backend("single", monitor={"throughput": True, "flops_per_sample": 1e6, "peak_tflops": 1}) as b:
+        net = LeNet()
+        model, opt = b.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for xb, yb in b.batches(data):
+            b.backward(nn.functional.cross_entropy(model(xb), yb))
+            b.step(opt)
+        latest = b.monitor.latest
+        assert latest["throughput/flops_per_s"] == pytest.approx(1e6 * latest["throughput/samples_per_s"])
+        assert latest["throughput/mfu"] == pytest.approx(latest["throughput/flops_per_s"] / 1e12)
 
 
 @pytest.mark.parametrize(
