@@ -111,6 +111,25 @@ def peak_flops(device: torch.device, precision: str, user_tflops: float | None =
     return None, f"{name!r} is not in parallelx.throughput.PEAK_TFLOPS; give --peak-tflops to get MFU"
 
 
+def combine(intervals: list[dict[str, float]], world_size: int, peak: float | None) -> dict[str, float]:
+    """The figures of several intervals (a whole pass) as if they were one: rates over the
+    summed wall time, time parts weighted by each interval's optimizer steps."""
+    wall = sum(f["time/interval_s"] for f in intervals)
+    steps = sum(f["time/interval_s"] / f["time/step_s"] for f in intervals)
+    if not intervals or wall <= 0:
+        return {}
+    out = {"time/interval_s": wall, "time/step_s": wall / steps}
+    for key in ("time/data_s", "time/forward_backward_s", "time/optimizer_s"):
+        out[key] = sum(f[key] * f["time/interval_s"] / f["time/step_s"] for f in intervals) / steps
+    for key in ("throughput/samples_per_s", "throughput/tokens_per_s", "throughput/flops_per_s"):
+        if all(key in f for f in intervals):
+            out[key] = sum(f[key] * f["time/interval_s"] for f in intervals) / wall
+            out[f"{key}_per_rank"] = out[key] / world_size
+    if peak and "throughput/flops_per_s" in out:
+        out["throughput/mfu"] = out["throughput/flops_per_s_per_rank"] / peak
+    return out
+
+
 def samples_in(batch: Any) -> int | None:
     """How many samples ``batch`` holds: the first dimension of its first
     tensor (``(x, y)``, ``{"input_ids": ...}``, a tensor), or None when it has no tensor."""

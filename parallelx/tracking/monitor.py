@@ -41,7 +41,7 @@ from ..errors import ParallelxError
 from ..log import info, warn
 from ..profiling import StepProfiler
 from ..settings import check_op
-from ..throughput import StepMeter, peak_flops
+from ..throughput import StepMeter, combine, peak_flops
 from .base import Tracker, flat_params
 from .options import MonitorOptions
 from .registry import check_available, tracker_class
@@ -81,6 +81,10 @@ class Monitor:
         self.steps = 0
         #: The figures of the last interval (``throughput/samples_per_s``, ``time/step_s``, ...), on every rank.
         self.latest: dict[str, float] = {}
+        #: The same figures over the whole last pass of ``backend.batches`` (an epoch), on every rank.
+        self.last_pass: dict[str, float] = {}
+        self._pass_intervals: list[dict[str, float]] = []
+        self._pass_open = False
         self.meter: StepMeter | None = None
         self.profiler: StepProfiler | None = None
         self._started = False
@@ -249,6 +253,8 @@ class Monitor:
         if not self._started:
             self._start()
         self._flush(failed=False)  # what was logged between passes (an evaluation's figures)
+        if not self._pass_open:  # a new pass, not one that goes on after a break
+            self._pass_intervals, self._pass_open = [], True
         if self.meter is not None:
             self.meter.pass_start()
 
@@ -281,6 +287,9 @@ class Monitor:
         """The pass ended on every rank (the loader is exhausted): close the interval."""
         if self.active:
             self._interval()
+            self._pass_open = False
+            if self.meter is not None:
+                self.last_pass = combine(self._pass_intervals, self.backend.world_size, self.meter.peak)
 
     def pass_paused(self) -> None:
         """The pass was left (a ``break``, an error): no collective here; the interval goes on at the next pass."""
@@ -290,6 +299,7 @@ class Monitor:
     def _interval(self) -> None:
         if self.meter is not None and (figures := self.meter.interval()):
             self.latest = figures
+            self._pass_intervals.append(figures)
             self.log_metrics(figures, step=self.steps)
         self._flush(failed=False)
 

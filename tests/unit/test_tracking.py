@@ -78,6 +78,7 @@ def test_values_are_read_once_per_interval_and_every_tracker_gets_them(tmp_path,
     with parallelx.get_backend("single", loggers="csv,tensorboard", log_dir=run, monitor={"log_every": 3}) as backend:
         losses = _train(backend, _data(7), log=log)
         assert all(isinstance(t, torch.Tensor) for e in backend.monitor._pending for _, t in e.parts)
+        last_pass = backend.monitor.last_pass
     # 7 steps, an interval every 3: the device values were read 3 times (inside steps 3 and 6, and at the
     # pass's end), not 7; each time the calls made since, and the interval's own figures.
     assert reads[:3] == [3, 4, 3] and pending == [1, 2, 1, 2, 3, 1, 2]
@@ -86,6 +87,15 @@ def test_values_are_read_once_per_interval_and_every_tracker_gets_them(tmp_path,
     assert [v for _, v in series["loss"]] == pytest.approx(losses, rel=1e-6)  # the loss read as float32 here
     assert {v for _, v in series["lr"]} == {0.1} and {v for _, v in series["flag"]} == {1.0}
     assert [s for s, _ in series["throughput/samples_per_s"]] == [3, 6, 7]
+    # The pass's figures: its three intervals as one.
+    wall = dict(series["time/interval_s"])
+    rate = dict(series["throughput/samples_per_s"])
+    assert last_pass["time/interval_s"] == pytest.approx(sum(wall.values()))
+    assert last_pass["throughput/samples_per_s"] == pytest.approx(7 * 4 / sum(wall.values()))
+    assert last_pass["throughput/samples_per_s"] == pytest.approx(
+        sum(rate[s] * wall[s] for s in wall) / sum(wall.values())
+    )
+    assert last_pass["time/step_s"] == pytest.approx(sum(wall.values()) / 7)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
