@@ -13,11 +13,12 @@ the flags a launcher appends (the deepspeed launcher's ``--local_rank``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from .errors import ParallelxError
 from .loop import COMPRESSIONS, PRECISIONS
@@ -202,15 +203,22 @@ def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def from_args(args: argparse.Namespace) -> Backend:
+def from_args(args: argparse.Namespace, **overrides: Any) -> Backend:
     """Create (not init) the backend that ``args.backend`` names (``auto``
     included), with the options the parsed arguments give it; the parsed
-    arguments are the run's hyperparameters for its trackers."""
+    arguments are the run's hyperparameters for its trackers.  ``overrides``
+    are constructor options that win over the arguments' (a script's own
+    choices); ``monitor={...}`` changes only the fields it names, e.g.
+    ``from_args(args, monitor={"throughput": True})`` for a progress bar's
+    throughput without a ``--logger``."""
     name = getattr(args, "backend", "auto") or "auto"
     if name == "auto":
         name = detect_backend()
     options = backend_class(name).options_from_args(args)
-    backend = get_backend(name, monitor=MonitorOptions.from_args(args), **options)
+    monitor = MonitorOptions.from_args(args)
+    if (changes := overrides.pop("monitor", None)) is not None:
+        monitor = dataclasses.replace(monitor, **dict(changes)) if isinstance(changes, Mapping) else changes
+    backend = get_backend(name, monitor=monitor, **{**options, **overrides})
     backend.monitor.log_hyperparams(args)
     return backend
 

@@ -233,6 +233,10 @@ def test_command_line_options_reach_the_monitor_and_bad_ones_fail(capsys):
     assert o.loggers == ("tensorboard", "csv") and o.log_dir == Path("d") and o.log_every == 5
     assert (o.peak_tflops, o.tokens_per_sample, o.profile_steps, o.memory_snapshot) == (100.0, 512, (2, 3), True)
     assert backend.monitor._hyperparams["loggers"] == "('tensorboard', 'csv')"  # the parsed arguments, for the trackers
+    # A script's own choices win over the arguments', field by field.
+    mine = parallelx.from_args(args, monitor={"throughput": True, "log_every": 7}, accumulate=2)
+    o = mine.monitor.options
+    assert (o.throughput, o.log_every, o.loggers, mine.options.accumulate) == (True, 7, ("tensorboard", "csv"), 2)
     for bad, says in (
         ("--logger tensorbord", "unknown logger 'tensorbord'; valid loggers are: csv, tensorboard, mlflow, wandb"),
         ("--logger-every 0", "must be an integer >= 1"),
