@@ -27,7 +27,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -120,13 +120,57 @@ class StepResult:
 BoundaryHook = Callable[[torch.optim.Optimizer], None]
 
 
+class StepMarks(Protocol):
+    """What the loop tells whoever measures it (:class:`parallelx.tracking.Monitor`) of where each step is."""
+
+    def pass_start(self) -> None: ...
+    def requested(self) -> None: ...
+    def ready(self, batch: Any) -> None: ...
+    def backward_done(self) -> None: ...
+    def step_done(self) -> None: ...
+    def pass_end(self) -> None: ...
+    def pass_paused(self) -> None: ...
+
+
+class NoMarks:
+    """Nobody measures: every mark does nothing."""
+
+    def pass_start(self) -> None:
+        pass
+
+    def requested(self) -> None:
+        pass
+
+    def ready(self, batch: Any) -> None:
+        pass
+
+    def backward_done(self) -> None:
+        pass
+
+    def step_done(self) -> None:
+        pass
+
+    def pass_end(self) -> None:
+        pass
+
+    def pass_paused(self) -> None:
+        pass
+
+
 class TrainingLoop:
     """The loop's side of a backend: accumulation windows, equal batch counts
     on every rank, the loss divided once per window, and the boundary step,
     through the backend's gradient synchronisation, collectives and precision."""
 
     def __init__(
-        self, name: str, sync: GradientSync, comm: Collectives, watch: Watch, options: LoopOptions, precision: Precision
+        self,
+        name: str,
+        sync: GradientSync,
+        comm: Collectives,
+        watch: Watch,
+        options: LoopOptions,
+        precision: Precision,
+        meter: StepMarks | None = None,
     ) -> None:
         self.name = name
         self.sync = sync
@@ -137,6 +181,8 @@ class TrainingLoop:
         #: Where the current micro-batch sits (SINGLE outside batches()).
         self.window: Window = SINGLE
         self._boundary_hooks: list[BoundaryHook] = []
+        #: Told where each step is (:class:`parallelx.tracking.Monitor`: throughput, profiles, logging intervals).
+        self.meter: StepMarks = meter if meter is not None else NoMarks()
 
     def add_boundary_hook(self, hook: BoundaryHook) -> Callable[[], None]:
         """Call ``hook(optimizer)`` at every window's end, between the averaging
@@ -150,10 +196,13 @@ class TrainingLoop:
             raise ParallelxError(f"batches(limit=...) must be >= 1, got {limit}")
         n = self._agreed_length(loader, limit)
         size = self.options.accumulate
+        meter = self.meter
+        meter.pass_start()
         iterator = iter(loader)
         try:
             if n is not None:
                 for i in range(n):
+                    meter.requested()
                     try:
                         batch = next(iterator)
                     except StopIteration:
@@ -162,12 +211,15 @@ class TrainingLoop:
                             f"{n}; other ranks may now wait for this one"
                         ) from None
                     start = i - i % size
+                    meter.ready(batch)
                     yield from self._micro_batch(batch, Window(i - start, min(size, n - start), managed=True))
+                meter.pass_end()
                 return
             # Lengths unknown: read a window ahead, then agree on how much of it every rank has.
             seen = 0
             while True:
                 want = size if limit is None else min(size, limit - seen)
+                meter.requested()
                 window = list(itertools.islice(iterator, want))
                 k = (
                     int(self.comm.all_reduce(torch.tensor([len(window)]), op="min").item())
@@ -180,12 +232,15 @@ class TrainingLoop:
                         "rank stops with the shortest, so no collective waits for a rank that has finished)"
                     )
                 for j in range(k):
+                    meter.ready(window[j])
                     yield from self._micro_batch(window[j], Window(j, k, managed=True))
                 seen += k
                 if k < want or (limit is not None and seen >= limit):
+                    meter.pass_end()
                     return
         finally:
             self.window = SINGLE
+            meter.pass_paused()  # left early (a break, an error): no collective here
 
     def _agreed_length(self, loader: Iterable[Any], limit: int | None) -> int | None:
         """The number of batches every rank takes this pass: the shortest rank's
@@ -228,6 +283,7 @@ class TrainingLoop:
         loss = self.precision.scale(loss)
         with self.watch("backward (the gradient all-reduce)"):
             self.sync.backward(loss, model=model, boundary=window.boundary)
+        self.meter.backward_done()
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
         if not self.window.boundary:
@@ -245,4 +301,5 @@ class TrainingLoop:
         if scheduler is not None and applied:
             scheduler.step()
         optimizer.zero_grad()
+        self.meter.step_done()
         return StepResult(grad_norm=norm.detach(), skipped=not applied)

@@ -15,6 +15,7 @@ state in and out          whole or sharded model and optimizer state     ``backe
 environment               where the ranks come from                       ``backend.environment``
 watchdog                  ends a rank whose peer stalled                  ``backend.watchdog``
 elastic                   runs again in a new world after a lost rank     ``backend.elastic``
+monitor                   trackers, throughput and MFU, profiles          ``backend.monitor``
 ========================  ==============================================  ===========================
 
 A backend module (``backends/<name>.py``) joins its world in ``_init`` and
@@ -66,6 +67,7 @@ from .settings import (  # noqa: F401  (DEFAULT_TIMEOUT_S, DEVICES, REDUCE_OPS, 
 )
 from .state import keep_rng_state
 from .stateio import StateIO
+from .tracking import Monitor, MonitorOptions
 from .units import UnitPolicy
 from .utils import has_batchnorm, missing_package
 from .watchdog import Watchdog
@@ -113,6 +115,9 @@ class Backend(abc.ABC):
         activation_checkpointing: bool | UnitPolicy = None,
         cpu_offload: bool = False,
         environment: ClusterEnvironment | None = None,
+        loggers: str | Sequence[str] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        monitor: MonitorOptions | Mapping[str, Any] | None = None,
     ) -> None:
         #: True when the user chose the timeout (argument or $PARALLELX_TIMEOUT),
         #: which then overrides a launcher's own default.
@@ -151,6 +156,8 @@ class Backend(abc.ABC):
         self.state_io: StateIO = StateIO(self.unwrap)
         self.elastic: Elastic = Elastic()
         self.watchdog: Watchdog | None = None
+        #: Trackers, throughput and profiles (:mod:`parallelx.tracking`): a part too; the loop marks its steps for it.
+        self.monitor = Monitor(self, MonitorOptions.make(monitor, loggers=loggers, log_dir=log_dir))
         #: Everything ``precision`` changes (:class:`parallelx.precision.Precision`); made again by init().
         self.precision: Precision = self._make_precision()
         self.loop = self._make_loop()
@@ -287,6 +294,7 @@ class Backend(abc.ABC):
         if self._initialized:
             try:
                 with self._watch("shutdown"):
+                    self.monitor.close()  # the last metrics (a collective when reduced), the trackers closed
                     self._shutdown(failed=False)
             finally:
                 self._initialized = False
@@ -299,6 +307,7 @@ class Backend(abc.ABC):
         (they may be dead or stuck): for the error path.  Safe to call more than once."""
         if self._initialized:
             try:
+                self.monitor.close(failed=True)
                 self._shutdown(failed=True)
             except Exception as exc:  # the error that brought us here matters more
                 log.warn(f"{self.name}: releasing the backend after a failure raised {type(exc).__name__}: {exc}")
@@ -335,7 +344,9 @@ class Backend(abc.ABC):
         return self.precision_class(self.options.precision, self.device if self._initialized else None)
 
     def _make_loop(self) -> TrainingLoop:
-        return TrainingLoop(self.name, self.grad_sync, self.comm, self._watch, self.options, self.precision)
+        return TrainingLoop(
+            self.name, self.grad_sync, self.comm, self._watch, self.options, self.precision, self.monitor
+        )
 
     # --------------------------------------------------------- model set-up
     # Templates: a backend's own work runs with the random generators saved and
@@ -452,6 +463,19 @@ class Backend(abc.ABC):
         gradients, and return the :class:`~parallelx.loop.StepResult`."""
         self._require_init()
         return self.loop.step(optimizer, scheduler)
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        reduce: str | Mapping[str, str | None] | None = None,
+    ) -> None:
+        """Log ``metrics`` (name -> number or one-element tensor) at ``step`` (default: optimizer steps so far) to the
+        ``loggers``.  Call it on every rank; rank 0 writes.  Tensors are read in one batch at the next logging interval,
+        never here.  ``reduce`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``, or a dict of name -> operation)
+        reduces across the ranks; without it, rank 0's own values are written.  See :mod:`parallelx.tracking`."""
+        self.monitor.log_metrics(metrics, step, reduce)
 
     def set_options(self, **changes: Any) -> LoopOptions:
         """Change loop options (``accumulate``, ``clip_grad_norm``, ``precision``,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -39,10 +39,10 @@ def check_timeout(value: float, what: str) -> float:
     return value
 
 
-def check_op(op: str) -> str:
+def check_op(op: str) -> ReduceOp:
     if op not in REDUCE_OPS:
         raise ParallelxError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
-    return op
+    return cast(ReduceOp, op)
 
 
 def check_device(device: str | torch.device | None) -> str:

@@ -40,8 +40,8 @@ fi
 # otherwise refuse these releases.  Other pip settings (index, proxy) still apply.
 export PIP_CONSTRAINT="$PWD/constraints.txt"
 "$PY" -m pip install --quiet --upgrade pip wheel setuptools
-echo "[setup] installing torch, torchvision, deepspeed, ray, the docs tools and parallelx (about 2.5 minutes from fresh)"
-"$PY" -m pip install --quiet -e ".[deepspeed,ray,dev,docs]"
+echo "[setup] installing torch, torchvision, deepspeed, ray, the trackers, the docs tools and parallelx (about 3.5 minutes from fresh)"
+"$PY" -m pip install --quiet -e ".[deepspeed,ray,trackers,dev,docs]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
 check=$("$VENV/bin/horovodrun" --check-build)

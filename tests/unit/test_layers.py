@@ -14,7 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Bottom to top: a module may import its own layer's and lower layers' modules only.
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
-    {"settings", "state", "launch", "runner", "environments", "precision", "collectives", "units"},
+    {
+        "settings",
+        "state",
+        "launch",
+        "runner",
+        "environments",
+        "precision",
+        "collectives",
+        "units",
+        "throughput",
+        "profiling",
+    },
     {
         "checkpoint",
         "sampler",
@@ -29,6 +40,7 @@ LAYERS: list[set[str]] = [
         "compiling",
         "activations",
         "lockstep",
+        "tracking",
     },
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
@@ -38,6 +50,7 @@ LAYERS: list[set[str]] = [
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
+HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (parallelx/tracking/)
 
 
 def modules() -> dict[str, Path]:
@@ -172,6 +185,9 @@ PRIVATE_READS_ALLOWED = {
     ("os", "_exit"): "the watchdog ends a process whose waiting thread is inside C++ code",
     ("build_parser()", "_actions"): "argparse has no public list of a parser's options",
     ("torch.nn.modules.batchnorm", "_BatchNorm"): "torch has no public base class of its BatchNorm layers",
+    # torch documents its CUDA memory snapshots through these two functions only ("Understanding CUDA Memory Usage").
+    ("torch.cuda.memory", "_record_memory_history"): "torch's documented memory-snapshot API",
+    ("torch.cuda.memory", "_dump_snapshot"): "torch's documented memory-snapshot API",
 }
 
 
