@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, cast
 
+from ..errors import ParallelxError
 from .base import Scalars, Tracker
 
 STEP = "step"
+#: The modes W&B runs in.
+MODES = ("online", "offline", "disabled", "shared")
 
 
 class WandbTracker(Tracker):
@@ -28,11 +31,14 @@ class WandbTracker(Tracker):
     def open(self) -> None:
         import wandb
 
+        mode = os.environ.get("WANDB_MODE") or "offline"
+        if mode not in MODES:
+            raise ParallelxError(f"WANDB_MODE is {mode!r}; W&B runs {', '.join(MODES)} (parallelx's default: offline)")
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "parallelx",
             name=self.run_name,
             dir=str(self.run_dir),
-            mode=os.environ.get("WANDB_MODE") or "offline",
+            mode=cast(Literal["online", "offline", "disabled", "shared"], mode),
         )
         self._run.define_metric(STEP, hidden=True)
         self._run.define_metric("*", step_metric=STEP)
