@@ -189,6 +189,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # TORCH_EXTENSIONS_DIR, by default ~/.cache: one place per environment instead, where
         # the set-up builds them once and every launch, with or without the Makefile, finds them.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+        # torch builds them with the first `ninja` on PATH, and two ninja versions (this environment's,
+        # the system's) hash the same command differently: each would see the other's build as stale
+        # and build again.  This environment's ninja, when it has one, always.
+        own_bin = Path(sys.prefix) / "bin"
+        if (own_bin / "ninja").is_file() and not os.environ.get("PATH", "").startswith(str(own_bin)):
+            os.environ["PATH"] = f"{own_bin}{os.pathsep}{os.environ.get('PATH', '')}"
         try:
             import deepspeed
             from deepspeed.accelerator import get_accelerator

@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 VENV="${PARALLELX_VENV:-.venv}"
 PY="$VENV/bin/python"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
+# DeepSpeed's op is built with the first ninja on PATH: this environment's, as the deepspeed backend does
+# (two ninja versions hash the same build differently and rebuild each other's).
+export PATH="$PWD/$VENV/bin:$PATH"
 start=$(date +%s)
 
 if [ ! -x "$PY" ]; then
