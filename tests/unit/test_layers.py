@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"settings", "state", "launch", "runner", "environments", "precision"},
     {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded"},
     {"protocol"},
-    {"local", "process_group", "trainstate", "preempt"},
+    {"local", "process_group", "trainstate", "preempt", "main_process"},
     {"registry"},
     {"cli", "envreport", "backends", "ray"},
     {"__init__", "__main__"},
