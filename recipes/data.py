@@ -1,5 +1,7 @@
-"""Datasets of the recipes: CIFAR-10 (the official Python pickles) and Kaggle
-Dogs-vs-Cats (a folder of JPEGs, optionally with a ``train.csv``).
+"""Datasets of the recipes: CIFAR-10 (the official Python pickles), Kaggle
+Dogs-vs-Cats (a folder of JPEGs, optionally with a ``train.csv``) and a text
+file of characters; and the data loaders the recipes draw from
+(:func:`make_loader`).
 
 Everything a training run will read is checked here, before training starts:
 a missing, empty or malformed data directory, a damaged or malformed
@@ -23,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms
 
 from parallelx import warn
 from parallelx.errors import ParallelxError
+from parallelx.utils import threads_per_process
 
 if TYPE_CHECKING:
-    from parallelx import ShardedSampler
+    from parallelx import Backend, ShardedSampler
 
 CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -555,3 +558,80 @@ class SeededSamples(Dataset):
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             x, y = self.dataset[index]
         return x, y, index
+
+
+# ------------------------------------------------------------------ loaders
+def default_num_workers(local_world_size: int) -> int:
+    """Loader workers per process: this process's share of the cores, less
+    the one that trains, at most 8.  0 (load in the training process) when a
+    process has a single core: more workers would only fight over it."""
+    return min(8, threads_per_process(local_world_size) - 1)
+
+
+def make_loader(
+    backend: Backend,
+    dataset: Dataset,
+    sampler: ShardedSampler,
+    *,
+    batch_size: int,
+    num_workers: int | None,
+    seed: int,
+    seeded_augmentation: bool = False,
+) -> DataLoader:
+    """The loader of one split, drawing this rank's shard from ``sampler``.
+
+    - ``num_workers`` None: :func:`default_num_workers`, sized per process
+      (not ``cpu_count()`` in every process);
+    - random augmentations differ between ranks (the loader's generator is
+      seeded by rank); the shuffle does not (the sampler's);
+    - ``seeded_augmentation``: batches are ``(x, y, index)`` and each sample's
+      augmentation depends on (seed, epoch, index) only (:class:`SeededSamples`),
+      which an exact resume needs;
+    - an error raised in a loader worker arrives as its own one-line message.
+    """
+    workers = default_num_workers(backend.local_world_size) if num_workers is None else num_workers
+    share = threads_per_process(backend.local_world_size)
+    if workers > share:
+        warn(
+            f"--num-workers {workers} is more than this process's share of the CPU cores ({share}); "
+            "the extra workers only compete for them"
+        )
+    return _Loader(
+        SeededSamples(dataset, seed) if seeded_augmentation else dataset,
+        batch_size=batch_size,
+        sampler=EpochKeys(sampler) if seeded_augmentation else sampler,
+        num_workers=workers,
+        pin_memory=backend.device.type == "cuda",
+        persistent_workers=workers > 0,
+        worker_init_fn=_own_process_group,
+        generator=torch.Generator().manual_seed(seed + 1000 * backend.rank),
+    )
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose workers' errors arrive with their own message: the
+    DataLoader re-raises them with the worker's traceback added, many lines
+    where the recipes print one."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        try:
+            yield from super().__iter__()
+        except ParallelxError as exc:
+            raise ParallelxError(_worker_message(str(exc))) from None
+
+
+def _worker_message(message: str) -> str:
+    marker = "ParallelxError: "
+    if "Original Traceback" in message and marker in message:
+        return message.rsplit(marker, 1)[1].strip()
+    return message
+
+
+def _own_process_group(worker_id: int) -> None:
+    """Loader workers leave their training process's process group: torchrun
+    sends SIGTERM to that whole group, and a loader worker that dies of it
+    takes its training process down before that process can save its
+    checkpoint (see ``parallelx.Preemption``).  Workers still end with the
+    loader (which may SIGTERM them itself), or within seconds of their
+    training process."""
+    os.setpgid(0, 0)

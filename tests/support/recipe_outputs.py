@@ -62,8 +62,7 @@ def check_cifar_metrics(
     sampler are left out of every figure."""
 
     from recipes.data import load_cifar10
-    from recipes.engine import evaluate_state_dict
-    from recipes.models import LeNet
+    from recipes.models import LeNet, evaluate_state_dict
 
     model = LeNet()
     model.load_state_dict(torch.load(out / "best.pth", map_location="cpu", weights_only=True))
