@@ -120,6 +120,14 @@ def momentum(text: str) -> float:
     return value
 
 
+def proportion(text: str) -> float:
+    """argparse type: a number in [0, 1) (a dropout probability)."""
+    value = float(_number(text, float))
+    if not 0 <= value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number strictly between 0 and 1."""
     value = float(_number(text, float))
@@ -141,6 +149,7 @@ def base_parser(
     lr_help: str = "learning rate",
     data_help: str = "where the dataset is (see --help of each recipe)",
     num_workers_help: str = "data-loader workers per process (default: this process's share of the cores, minus one)",
+    num_workers: int | None = None,
 ) -> RecipeParser:
     """The options every recipe has.  ``sgd``: also ``--momentum``,
     ``--lr-schedule`` and ``--warmup-epochs``; without it ``--data-dir`` is
@@ -154,7 +163,7 @@ def base_parser(
     if sgd:
         p.add_argument("--momentum", type=momentum, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
-    p.add_argument("--num-workers", type=non_negative_int, default=None, help=num_workers_help)
+    p.add_argument("--num-workers", type=non_negative_int, default=num_workers, help=num_workers_help)
     p.add_argument(
         "--max-steps",
         type=positive_int,

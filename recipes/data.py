@@ -46,6 +46,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 #: official CIFAR-10 md5 sums.
 GENERATED_MARKER = "GENERATED_BY_PARALLELX"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+#: The text file of the GPT recipe's ``--data-dir`` (nanoGPT's name for it).
+TEXT_FILE = "input.txt"
 DOGCAT_CLASSES = ("cat", "dog")
 #: The command that writes stand-in data, as this package is named here
 #: (``recipes`` in a checkout, ``parallelx.recipes`` when installed).
@@ -503,6 +505,72 @@ def load_dogcat(
         Subset(DogCatDataset(files, labels, image_size, train=True), train_idx),
         Subset(DogCatDataset(files, labels, image_size, train=False), val_idx),
     )
+
+
+# ---------------------------------------------------------------- text
+def read_text(data_dir: str | Path) -> str:
+    """The text of ``data_dir/input.txt`` (or of ``data_dir`` itself, a file),
+    UTF-8, checked to be there, readable and not empty."""
+    d = Path(data_dir)
+    path = d if d.is_file() else d / TEXT_FILE
+    if not path.is_file():
+        raise ParallelxError(
+            f"no text at {path}: pass --data-dir pointing at a folder holding {TEXT_FILE} (or the file "
+            f"itself), generate one with `{MAKE_DATA} text --out DIR`, or leave --data-dir out to train "
+            "on a generated text"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParallelxError(
+            f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start : exc.start + 1]!r}); "
+            "convert it with `iconv -t utf-8`"
+        ) from None
+    except OSError as exc:
+        raise ParallelxError(f"cannot read {path} ({exc.strerror or exc})") from None
+    if not text:
+        raise ParallelxError(f"{path} is empty; expected the text to train on")
+    return text
+
+
+class CharWindows(Dataset):
+    """Windows of ``block_size + 1`` consecutive tokens of ``tokens``, one every
+    ``block_size``: sample ``i`` is ``(x, y)``, ``x`` the window's first
+    ``block_size`` tokens and ``y`` the same shifted by one (each position's
+    next token).  An epoch covers the text once."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if len(tokens) < block_size + 1:
+            raise ParallelxError(
+                f"{len(tokens)} characters cannot fill one window of --block-size {block_size} plus its "
+                f"next character; use a longer text or a --block-size below {max(1, len(tokens) - 1)}"
+            )
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = self.tokens[start : start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def char_datasets(text: str, block_size: int, val_fraction: float = 0.1) -> tuple[CharWindows, CharWindows, list[str]]:
+    """(train, val, vocabulary) of a character-level model: every distinct
+    character is a token (sorted, so the ids depend on the text alone); the
+    first ``1 - val_fraction`` of the text trains, the rest validates."""
+    vocab = sorted(set(text))
+    ids = {c: i for i, c in enumerate(vocab)}
+    tokens = torch.tensor([ids[c] for c in text], dtype=torch.long)
+    cut = int(len(tokens) * (1 - val_fraction))
+    if min(cut, len(tokens) - cut) < block_size + 1:
+        raise ParallelxError(
+            f"a text of {len(text)} characters split {1 - val_fraction:.0%}/{val_fraction:.0%} leaves "
+            f"{min(cut, len(tokens) - cut)} characters to one side, less than one window of --block-size "
+            f"{block_size} plus one; use a longer text, a smaller --block-size or another --val-fraction"
+        )
+    return CharWindows(tokens[:cut], block_size), CharWindows(tokens[cut:], block_size), vocab
 
 
 # --------------------------------------------- reproducible augmentation

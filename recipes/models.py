@@ -227,7 +227,7 @@ class GPTConfig:
     block_size: int = 64  # the longest context
     n_layer: int = 4
     n_head: int = 4
-    n_embd: int = 128
+    n_embd: int = 96
     dropout: float = 0.1
     bias: bool = True  # in the Linear layers and LayerNorms
 
