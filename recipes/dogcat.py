@@ -270,7 +270,7 @@ def train(
             if state["train_sums"] is not None:
                 train_sums.load_state_dict(state["train_sums"], backend)
             norm_sum = torch.tensor(state["norm_sum"], device=backend.device)
-            start, done = time.perf_counter(), state["batches"]
+            start, done, seconds = time.perf_counter(), state["batches"], state["seconds"]  # before this pass
             limit = (
                 len(train_loader) if args.max_steps is None else min(len(train_loader), max(1, args.max_steps - done))
             )
@@ -299,7 +299,7 @@ def train(
                     state.update(
                         batches=done + i + 1,
                         norm_sum=float(norm_sum),
-                        seconds=state["seconds"] + time.perf_counter() - start,
+                        seconds=seconds + time.perf_counter() - start,
                         train_sums=train_sums.state_dict(backend),  # every rank's sums
                     )
                     save_checkpoint(consumed=min((i + 1) * args.batch_size, train_sampler.num_samples))
@@ -309,7 +309,7 @@ def train(
             bar.close()
             t = train_sums.compute(backend)  # a collective: the global figures, each sample once
             t.update(
-                seconds=state["seconds"] + time.perf_counter() - start,
+                seconds=seconds + time.perf_counter() - start,
                 lr=optimizer.param_groups[0]["lr"],
                 steps=state["steps"],
                 skipped=state["skipped"],

@@ -304,7 +304,7 @@ def train(
             if state["train_sums"] is not None:
                 train_sums.load_state_dict(state["train_sums"], backend)
             norm_sum = torch.tensor(state["norm_sum"], device=backend.device)
-            start, done = time.perf_counter(), state["batches"]
+            start, done, seconds = time.perf_counter(), state["batches"], state["seconds"]  # before this pass
             limit = (
                 len(train_loader) if args.max_steps is None else min(len(train_loader), max(1, args.max_steps - done))
             )
@@ -333,7 +333,7 @@ def train(
                     state.update(
                         batches=done + i + 1,
                         norm_sum=float(norm_sum),
-                        seconds=state["seconds"] + time.perf_counter() - start,
+                        seconds=seconds + time.perf_counter() - start,
                         train_sums=train_sums.state_dict(backend),  # every rank's sums
                     )
                     save_checkpoint(consumed=min((i + 1) * args.batch_size, train_sampler.num_samples))
@@ -342,7 +342,7 @@ def train(
                     return
             bar.close()
             t = train_sums.compute(backend)  # a collective: the global mean, each window once
-            train_seconds = state["seconds"] + time.perf_counter() - start
+            train_seconds = seconds + time.perf_counter() - start
             lr, grad_norm = optimizer.param_groups[0]["lr"], float(norm_sum) / max(1, state["steps"])
             backend.print(
                 f"train loss: {t['loss']:.4f} lr: {lr:.6g} grad norm: {grad_norm:.4f} "
