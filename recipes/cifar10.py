@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with backend:  # released on every rank when anything below raises
         parallelx.seed_everything(args.seed)  # same initial weights on every rank
-        train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum)
+        with parallelx.main_process_first(backend):  # --download: rank 0 fetches the files, the others then read them
+            train_set, val_set = load_cifar10(args.data_dir, download=args.download, skip_checksum=args.skip_checksum)
         attempts = itertools.count()
 
         def attempt() -> None:
