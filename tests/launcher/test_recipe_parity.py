@@ -131,8 +131,8 @@ GPT_KNOWN = {
     "deepspeed-zero1": _ZERO12_SAVE,
     "deepspeed-zero2": f"{_ZERO12_SAVE}; {_ZERO23_ORDER}",
     "deepspeed-zero3": _ZERO23_ORDER,
-    "fsdp": "fsdp's default units pick the model's transformer ModuleDict, and fully_shard refuses it "
-    "(does not support containers that do not implement forward)",
+    "fsdp": "fsdp's default units pick one of the model's containers (its transformer ModuleDict, or its "
+    "ModuleList of blocks), and fully_shard refuses it (does not support containers that do not implement forward)",
 }
 _GPT_DONE: dict[str, Path] = {}
 
