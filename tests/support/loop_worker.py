@@ -11,7 +11,7 @@ weights, compared across backends by tests/launcher/test_loops.py).
 Besides the named cases, a grid (:func:`grid_cases`) crosses clipping
 thresholds (binding at every step, at some steps, never), LR warm-ups of
 several lengths (one longer than some runs) followed by each schedule of the
-recipes (``recipes.engine.make_scheduler``), accumulation with a short last
+recipes (``recipes.common.make_scheduler``), accumulation with a short last
 window and both CPU precisions; its final weights go to
 ``<out>/grid-rank<r>.pt`` (one dict, by case name).  The options meet inside
 a backend's step (the clipping coefficient, the LR the optimizer reads, the
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import parallelx
 from parallelx.errors import ParallelxError
-from recipes.engine import make_scheduler
+from recipes.common import make_scheduler
 
 B = 4  # samples per rank per micro-batch
 FEATURES = 8

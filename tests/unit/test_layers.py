@@ -43,7 +43,7 @@ LAYERS: list[set[str]] = [
         "tracking",
     },
     {"protocol"},
-    {"local", "process_group", "trainstate", "preempt"},
+    {"local", "process_group", "trainstate", "preempt", "main_process"},
     {"registry"},
     {"cli", "envreport", "backends", "ray"},
     {"__init__", "__main__"},
