@@ -29,11 +29,13 @@ LAYERS: list[set[str]] = [
         "compiling",
         "activations",
         "lockstep",
+        "checkprobe",
+        "virtualworld",
     },
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt"},
     {"registry"},
-    {"cli", "envreport", "backends", "ray"},
+    {"cli", "envreport", "backends", "ray", "check", "testing"},
     {"__init__", "__main__"},
 ]
 #: Packages a module may import inside a function: the optional heavy ones.

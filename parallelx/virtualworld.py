@@ -1,0 +1,377 @@
+"""The one-process reference of ``python -m parallelx check``: one process
+computing, step by step, what N ranks compute together.
+
+The user's script runs once, on the ``single`` backend, and sees rank 0 of a
+world of N (``backend.world_size == N``).  Inside:
+
+- every sampler from ``backend.make_sampler`` is a :class:`VirtualSampler`:
+  to the script, rank 0's shard (its length, its padding); to a
+  ``DataLoader``, the N ranks' batches in turn: rank 0's first batch, rank
+  1's first batch, ..., then each rank's second batch, each rank's own shard
+  cut into batches exactly as a DataLoader on that rank cuts it;
+- before each virtual rank's batch is read, the random generators and the
+  models' buffers are put where that rank would have them: each rank of a
+  run started from the same seed draws the same numbers, so every rank's
+  batch of a round starts from the state the round started with (dropout
+  masks, augmentation); each rank updates its own buffers (BatchNorm's
+  running statistics) during a step, and after the step every rank has rank
+  0's, as parallelx's buffer rule gives them;
+- in the loop form (``backend.batches`` / ``backend.step``) each window holds
+  the N ranks' micro-batches of one window: the loss is divided by N times the
+  window's length, which is the average over the ranks;
+- in the protocol form (``backend.backward`` or ``loss.backward()``, then a
+  plain ``optimizer.step()``) the optimizer steps once every N calls, on the
+  average of the N gradients; ``zero_grad()``, gradient clipping and
+  ``scheduler.step()`` between them are held back until the step.
+
+What it cannot reproduce it reports (:meth:`VirtualWorld.report`), and the
+check then compares the backends with each other only: data read without
+``backend.make_sampler``, a sampler iterated outside a DataLoader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader
+
+from .loop import LoopOptions
+from .sampler import ShardedSampler
+
+T = TypeVar("T")
+
+#: (the loop manages the current micro-batch, its position in the window, the loop is stepping).
+Window = Callable[[], tuple[bool, int, bool]]
+
+
+class VirtualSampler(ShardedSampler):
+    """Rank 0's :class:`ShardedSampler` of a world of ``ranks``, which a
+    DataLoader iterates as all the ranks' batches in turn (see the module's docstring)."""
+
+    def __init__(self, dataset: Sized, like: ShardedSampler, world: VirtualWorld) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=like.num_replicas,
+            rank=0,
+            shuffle=like.shuffle,
+            seed=like.seed,
+            drop_last=like.drop_last,
+        )
+        self.world = world
+        self.shards = [
+            ShardedSampler(
+                dataset,
+                num_replicas=like.num_replicas,
+                rank=r,
+                shuffle=like.shuffle,
+                seed=like.seed,
+                drop_last=like.drop_last,
+            )
+            for r in range(like.num_replicas)
+        ]
+        self.current = (0, 0)  # (virtual rank, position in its shard) of the batch being read
+
+    def _orders(self) -> list[list[int]]:
+        """Begin a pass on every rank's shard (the same epoch as rank 0's) and return their orders."""
+        for s in self.shards:
+            s.set_epoch(self.epoch)
+        mine = list(ShardedSampler.__iter__(self))  # rank 0's bookkeeping (epoch, passes) as usual
+        orders = [list(iter(s)) for s in self.shards]
+        orders[0] = mine
+        return orders
+
+    def batches(self, batch_size: int, drop_last: bool) -> Iterator[list[int]]:
+        """What a DataLoader with ``batch_size`` draws: each rank's batches, round by round."""
+        orders = self._orders()
+        per_rank = [
+            [o[i : i + batch_size] for i in range(0, len(o), batch_size) if not drop_last or i + batch_size <= len(o)]
+            for o in orders
+        ]
+        for j in range(min(len(b) for b in per_rank)):
+            for r, chunks in enumerate(per_rank):
+                self.current = (r, j * batch_size)
+                # MetricSums counts positions per pass: each batch starts one (real_mask below knows where it is).
+                self.passes += 1
+                self.world.micro_batch(r)
+                yield chunks[j]
+
+    def __iter__(self) -> Iterator[int]:
+        # A loader without batching (batch_size=None) draws one index at a time.
+        for batch in self.batches(1, False):
+            yield batch[0]
+
+    def real_mask(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        rank, position = self.current
+        return self.shards[rank].real_mask(position + start, count, device)
+
+
+class StepsOfN:
+    """A plain ``optimizer.step()`` that applies once every ``ranks`` calls,
+    on the average of the gradients gathered meanwhile (the protocol form)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ranks: int, window: Window) -> None:
+        self.optimizer = optimizer
+        self.ranks = ranks
+        self.window = window
+        self.pending = 0  # calls held back since the last real step
+        self.averaged = False  # the gradients were divided by ranks already (clipping came first)
+        cls = type(optimizer)
+        self.real_step = cls.step
+        self.real_zero_grad = cls.zero_grad
+
+    def install(self) -> None:
+        self.optimizer.step = types.MethodType(_held_step, self.optimizer)  # type: ignore[method-assign]
+        self.optimizer.zero_grad = types.MethodType(_held_zero_grad, self.optimizer)  # type: ignore[method-assign]
+
+    def looped(self) -> bool:
+        return self.window()[2]
+
+    def holding(self) -> bool:
+        """True while the calls of a round are being held back."""
+        return self.pending > 0 and not self.looped()
+
+    def next_is_real(self) -> bool:
+        return self.pending >= self.ranks - 1
+
+    def average(self) -> None:
+        if not self.averaged:
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.div_(self.ranks)
+            self.averaged = True
+
+    def may_zero(self) -> bool:
+        managed, position, stepping = self.window()
+        if stepping:
+            return True
+        if managed:  # the loop form: the window's first micro-batch only
+            return position == 0
+        return self.pending == 0
+
+
+_HELD: weakref.WeakKeyDictionary[Any, StepsOfN] = weakref.WeakKeyDictionary()
+
+
+def _held_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    held = _HELD[optimizer]
+    if held.looped():
+        return held.real_step(optimizer, *args, **kwargs)
+    held.pending += 1
+    if held.pending < held.ranks:
+        return None
+    held.average()
+    held.pending, held.averaged = 0, False
+    return held.real_step(optimizer, *args, **kwargs)
+
+
+def _held_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
+    held = _HELD[optimizer]
+    if held.may_zero():
+        held.real_zero_grad(optimizer, set_to_none)
+
+
+class VirtualWorld:
+    """The reference's world of ``ranks`` ranks in this one process."""
+
+    def __init__(self, ranks: int, models: Callable[[], list[nn.Module]], window: Window) -> None:
+        self.ranks = ranks
+        self.models = models
+        self.window = window
+        #: The virtual rank whose batch is being read and computed (None before the first).
+        self.current_rank: int | None = None
+        self.round_rng: tuple[Any, ...] | None = None
+        self.step_buffers: list[torch.Tensor] | None = None  # the buffers every rank starts the step with
+        self.rank_buffers: dict[int, list[torch.Tensor]] = {}
+        self.samplers: list[VirtualSampler] = []
+        self.held: list[StepsOfN] = []
+        self.unsharded_loaders = 0
+        self.batches_read = 0
+
+    # -------------------------------------------------------------- the script's objects
+    def sampler(self, sampler: ShardedSampler, dataset: Sized) -> VirtualSampler:
+        virtual = VirtualSampler(dataset, sampler, self)
+        self.samplers.append(virtual)
+        return virtual
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        held = StepsOfN(optimizer, self.ranks, self.window)
+        _HELD[optimizer] = held
+        held.install()
+        self.held.append(held)
+
+    def loader_view(self, loader: Iterable[T]) -> tuple[Iterable[T], int]:
+        """The loop form: ``loader`` as the loop should see it (its length times
+        the ranks when it is built on a virtual sampler), and that factor."""
+        if isinstance(loader, DataLoader) and isinstance(_sampler_of(loader), VirtualSampler):
+            return _Longer(loader, self.ranks), self.ranks
+        self.unsharded_loaders += 1
+        return loader, 1
+
+    def window_options(self, options: LoopOptions, factor: int) -> LoopOptions:
+        return dataclasses.replace(options, accumulate=options.accumulate * factor) if factor > 1 else options
+
+    # -------------------------------------------------------------- the clock
+    def micro_batch(self, rank: int) -> None:
+        """Virtual rank ``rank``'s next batch is about to be read."""
+        self.batches_read += 1
+        if rank == 0 or self.round_rng is None:
+            self.round_rng = _rng_state()
+        else:
+            _set_rng_state(self.round_rng)
+        buffers = self._buffers()
+        if buffers:
+            if self.step_buffers is None:
+                self.step_buffers = [b.detach().clone() for b in buffers]
+            if self.current_rank is not None and self.current_rank != rank:
+                self.rank_buffers[self.current_rank] = [b.detach().clone() for b in buffers]
+                _load(buffers, self.rank_buffers.get(rank, self.step_buffers))
+        self.current_rank = rank
+
+    def step_done(self) -> None:
+        """After each real step every rank holds rank 0's buffers."""
+        buffers = self._buffers()
+        if buffers and self.current_rank not in (None, 0) and 0 in self.rank_buffers:
+            _load(buffers, self.rank_buffers[0])
+        self.step_buffers = None
+        self.rank_buffers = {}
+        self.current_rank = None if self.current_rank is None else 0
+
+    def _buffers(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for model in self.models():
+            for b in model.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        return out
+
+    # -------------------------------------------------------------- process-wide patches
+    def install(self) -> None:
+        """Patch, in this process only: DataLoaders on a virtual sampler draw
+        its rounds; clipping, ``zero_grad`` and LR schedulers wait for the
+        held-back step.  The reference process runs nothing else."""
+        global _INSTALLED
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+        original_iter = BatchSampler.__iter__
+
+        def batch_iter(self: BatchSampler) -> Iterator[list[int]]:
+            if isinstance(self.sampler, VirtualSampler):
+                return self.sampler.batches(self.batch_size, self.drop_last)
+            return original_iter(self)
+
+        BatchSampler.__iter__ = batch_iter  # type: ignore[method-assign]
+
+        scheduler_step = torch.optim.lr_scheduler.LRScheduler.step
+
+        def held_scheduler_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            held = _HELD.get(self.optimizer)
+            if held is not None and held.holding():
+                return None
+            return scheduler_step(self, *args, **kwargs)
+
+        torch.optim.lr_scheduler.LRScheduler.step = held_scheduler_step  # type: ignore[method-assign]
+
+        clip = torch.nn.utils.clip_grad_norm_
+
+        def held_clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            for held in _HELD.values():
+                if not held.looped():
+                    if not held.next_is_real():  # a held-back round: clip its average at the real step
+                        grads = [p.grad for p in params if p.grad is not None]
+                        return torch.nn.utils.get_total_norm(grads) / held.ranks if grads else torch.zeros(())
+                    held.average()
+            return clip(params, max_norm, *args, **kwargs)
+
+        torch.nn.utils.clip_grad_norm_ = held_clip
+        torch.nn.utils.clip_grad.clip_grad_norm_ = held_clip  # type: ignore[attr-defined]
+
+        module_zero_grad = nn.Module.zero_grad
+
+        def held_module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+            if all(held.may_zero() for held in _HELD.values()):
+                module_zero_grad(self, set_to_none)
+
+        nn.Module.zero_grad = held_module_zero_grad  # type: ignore[method-assign]
+
+        loader_iter = DataLoader.__iter__
+
+        def main_process_iter(self: DataLoader) -> Any:
+            # Workers read ahead of the training: the rounds' random numbers could not be
+            # replayed at the right moments.  The reference reads in its main process.
+            if self.num_workers > 0 and isinstance(_sampler_of(self), VirtualSampler):
+                self.num_workers = 0
+            return loader_iter(self)
+
+        DataLoader.__iter__ = main_process_iter  # type: ignore[method-assign]
+
+    # -------------------------------------------------------------- what it could do
+    def report(self) -> dict[str, Any]:
+        """Whether the global batch was reproduced, and if not, why."""
+        limits = []
+        if not self.samplers:
+            limits.append(
+                "the script reads no data through backend.make_sampler (it draws or splits its batches "
+                "itself), so one process cannot know what each rank read"
+            )
+        elif self.batches_read == 0:
+            limits.append("no DataLoader drew from the samplers of backend.make_sampler (a sampler not passed to it?)")
+        if self.unsharded_loaders:
+            limits.append("a loader given to backend.batches is not built on a sampler of backend.make_sampler")
+        return {"ranks": self.ranks, "limits": limits, "batches_read": self.batches_read}
+
+
+_INSTALLED = False
+
+
+class _Longer:
+    """A loader whose ``len`` counts every virtual rank's batches."""
+
+    def __init__(self, loader: DataLoader, ranks: int) -> None:
+        self.loader = loader
+        self.ranks = ranks
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.ranks
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+def _sampler_of(loader: DataLoader) -> Any:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    return inner if inner is not None else getattr(loader, "sampler", None)
+
+
+def _rng_state() -> tuple[Any, ...]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    py, np_state, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _load(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for b, v in zip(buffers, values):
+            b.copy_(v)
