@@ -300,13 +300,17 @@ class Probe:
             self._rendezvous_and_exit()
         if not (torch.is_grad_enabled() and module.training):
             return
-        entry = {
-            "step": self.steps_done + 1,
-            "rank": self._virtual_rank(),
+        step, rank = self.steps_done + 1, self._virtual_rank()
+        entry: dict[str, Any] = {
+            "step": step,
+            "rank": rank,
             "input": digest_bytes(*(tensor_digest(t).encode() for t in tensors_in((args, kwargs)))),
             "rng": rng_digest(),
             "draws": None,
         }
+        if not any(m["step"] == step and m["rank"] == rank for m in self.record["micro"]):
+            # The buffers this rank's step starts from (BatchNorm's statistics, when it has any).
+            entry["buffers"] = {n: tensor_digest(b) for n, b in self.backend.unwrap(module).named_buffers()}
         self.record["micro"].append(entry)
         self.pending_forward = entry
 

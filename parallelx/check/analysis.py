@@ -73,7 +73,9 @@ def compare(
     def tol(k: str) -> float:
         return max(min_tol, factor * (floors or {}).get(k, 0.0))
 
-    worst = max(diffs, key=lambda k: diffs[k])
+    # Counters (num_batches_tracked) differ or not: the largest is shown among the floating tensors.
+    floating = [k for k in diffs if k in a and k in b and a[k].is_floating_point()] or list(diffs)
+    worst = max(floating, key=lambda k: diffs[k])
     floor = None if floors is None else floors.get(worst, 0.0)
     return Diff(
         worst=diffs[worst],
@@ -162,6 +164,27 @@ def noise_only(reference: Mapping[str, torch.Tensor], floor: Mapping[str, torch.
     return out
 
 
+def name(run: RunResult) -> str:
+    """A run as the report's sentences name it."""
+    return "the one-process reference" if not run.spec.real else run.label
+
+
+def same_computation(reference: RunResult, floor: RunResult) -> str | None:
+    """None when the floor run computed what the reference did (its weights
+    aside): the same initial weights, inputs and random state at each
+    forward of the first step; else what differed."""
+    a, b = reference.rank0().get("models", []), floor.rank0().get("models", [])
+    if [m.get("initial") for m in a] != [m.get("initial") for m in b]:
+        return "started from different initial weights"
+    for r in range(reference.n_ranks()):
+        ma, mb = reference.micro(r, 1), floor.micro(r, 1)
+        if [m["input"] for m in ma] != [m["input"] for m in mb]:
+            return "read different inputs"
+        if [m["rng"] for m in ma] != [m["rng"] for m in mb]:
+            return "drew different random numbers"
+    return None
+
+
 # ---------------------------------------------------------------- the analysis
 class Analysis:
     """Reads the runs of one check and writes its :class:`Report`."""
@@ -182,7 +205,14 @@ class Analysis:
         self.script = list(script)
         self.reference = reference if reference is not None and reference.usable else None
         self.reference_raw = reference
+        self.floor_raw = floor
         self.floor = floor if floor is not None and floor.usable else None
+        #: Why the floor run cannot measure the noise (None: it can).
+        self.floor_problem: str | None = None
+        if self.reference is not None and self.floor is not None:
+            self.floor_problem = same_computation(self.reference, self.floor)
+            if self.floor_problem is not None:
+                self.floor = None
         self.runs = list(runs)
         self.usable = [r for r in self.runs if r.usable]
         self.nproc = nproc
@@ -364,8 +394,8 @@ class Analysis:
             if first_a[0]["input"] != first_b[0]["input"]:
                 self.add(
                     "data-randomness",
-                    f"the data differs between runs from the first batch (rank 0's inputs on {base.label} and "
-                    f"{run.label}): shuffling or augmentation draws random numbers that are not seeded the same way "
+                    f"the data differs between runs from the first batch (rank 0's inputs on {name(base)} and "
+                    f"{name(run)}): shuffling or augmentation draws random numbers that are not seeded the same way "
                     "in every run",
                     "seed every generator the data uses, the same in every run (parallelx.seed_everything(seed)), and "
                     "shuffle with backend.make_sampler(dataset, seed=...)",
@@ -383,7 +413,7 @@ class Analysis:
                     )
                     self.add(
                         "forward-randomness",
-                        f"the first forward gives another loss on {run.label} than on {base.label} with the same "
+                        f"the first forward gives another loss on {name(run)} than on {name(base)} with the same "
                         f"weights and inputs, and it draws random numbers (dropout): {state}; the backends do not "
                         "share these draws",
                         "seed once at the start, the same in every run (parallelx.seed_everything(seed)), and draw "
@@ -504,8 +534,10 @@ class Analysis:
                     )
             floors_s = floor_series(self.reference, self.floor, steps)
             floor_method = FLOOR_METHOD
+        elif self.floor_problem is not None:
+            floor_method = f"the reference and its repeat {self.floor_problem}: the script does not repeat itself"
         else:
-            why = self.floor.error if self.floor is None and self.reference_raw is not None else None
+            why = next((r.error for r in (self.reference_raw, self.floor_raw) if r is not None and r.error), None)
             floor_method = "the reference or its floor run failed" + (f" ({why})" if why else "")
 
         ref_series = series(self.reference, steps) if self.reference is not None else None
@@ -513,8 +545,19 @@ class Analysis:
         rows = []
         for run in self.runs:
             rows.append(self._row(run, level, min_tol, floor_w, floor_g, floors_s, ref_series, base_series))
+        self._buffers_per_rank(rows)
         self._unexplained(rows, level)
         self._batchnorm_notes()
+        for row, run in zip(rows, self.runs):
+            if run.launch_error is None or row.status == "failed":
+                continue
+            if self.blamed(run.label):
+                self.notes.append(
+                    f"{run.label}: every rank recorded its steps, then the launch failed ({run.launch_error}): "
+                    "a consequence of the difference above"
+                )
+            else:
+                row.status, row.error = "failed", run.launch_error
 
         ref_row = None
         if self.reference_raw is not None:
@@ -609,6 +652,40 @@ class Analysis:
                     f"{fmt(d.floor)}): the same additions in another order"
                 )
         return row
+
+    def rank_buffers(self, run: RunResult) -> tuple[int, list[str]] | None:
+        """The first step whose first forward found the ranks' buffers different, and which."""
+        for s in range(1, self.steps + 1):
+            firsts = [m[0] for r in range(run.n_ranks()) if (m := run.micro(r, s)) and "buffers" in m[0]]
+            if len(firsts) < 2:
+                continue
+            names = sorted(k for k in firsts[0]["buffers"] if len({str(f["buffers"].get(k)) for f in firsts}) > 1)
+            if names:
+                return s, names
+        return None
+
+    def _buffers_per_rank(self, rows: list[Row]) -> None:
+        """Ranks that start a step with different buffers: what they normalise with differs."""
+        runs = [r for r in [*self.usable, self.reference] if r is not None]
+        evidence = {run.label: e for run in runs if (e := self.rank_buffers(run)) is not None}
+        if not evidence:
+            return
+        label, (s, names) = next(iter(evidence.items()))
+        shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+        run = next(r for r in runs if r.label == label)
+        bn = self.has_batchnorm(run)
+        what = "BatchNorm statistics" if bn else "buffers"
+        differs = [r.label for r in rows if r.status == "differs"]
+        self.add(
+            "batchnorm-statistics" if bn else "rank-dependent-buffers",
+            f"the ranks start step {s} with different {what} ({shown}; on {', '.join(evidence)}): each rank computed "
+            "its own, from its own batches, outside the training step; ddp broadcasts rank 0's before every "
+            "forward, the other backends after each step, so the backends normalise differently",
+            "compute them the same on every rank: backend.sync_batchnorm(model) before wrap_model, and no "
+            "training-mode forward outside the training steps (or recompute them after the first step)",
+            differs or list(evidence),
+            fails=bool(differs),
+        )
 
     def _unexplained(self, rows: list[Row], level: int) -> None:
         """Differences no rule explained: say where they are and what to look for."""

@@ -35,7 +35,7 @@ FLOAT32_HALF_ULP = 2.0**-24
 #: The option by which a backend takes its sharding stage (the check runs each stage asked for).
 STAGE_OPTION = "--zero-stage"
 #: Seconds a finished rank waits for the others (an asymmetric script's rank may never come).
-RANK_WAIT_S = 20.0
+RANK_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class RunResult:
     weights: dict[str, torch.Tensor] | None = None
     #: Why this run cannot be used (None: it can).
     error: str | None = None
+    #: How the launch failed after every rank had left its record (the records stay usable).
+    launch_error: str | None = None
 
     @property
     def label(self) -> str:
@@ -225,12 +227,12 @@ def _why_unusable(result: RunResult, launch_error: str | None) -> str | None:
             "(parallelx.add_arguments(parser) and parallelx.from_args(args))"
         )
     missing = [r for r in range(spec.nproc) if r not in result.ranks]
-    if missing and launch_error is not None:
-        return (
-            f"{launch_error}; rank(s) {', '.join(map(str, missing))} recorded nothing; {last_error_line(result.tail)}"
-        )
-    if launch_error is not None and not all("stopped" in str(r.get("stopped")) for r in result.ranks.values()):
-        return f"{launch_error}; {last_error_line(result.tail)}"
+    if missing:
+        why = launch_error or "it ended"
+        return f"{why}; rank(s) {', '.join(map(str, missing))} recorded nothing; {last_error_line(result.tail)}"
+    if launch_error is not None:
+        # Every rank recorded what it saw; the failure came after (a rank left waiting in a collective).
+        result.launch_error = f"{launch_error}; {last_error_line(result.tail)}"
     return None
 
 
