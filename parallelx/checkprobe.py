@@ -50,6 +50,7 @@ from . import virtualworld
 from .buffers import per_process_batchnorm
 from .loop import TrainingLoop
 from .sampler import ShardedSampler
+from .settings import limit_cpu_threads
 from .utils import has_batchnorm
 
 if TYPE_CHECKING:
@@ -117,13 +118,18 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(v)
 
 
-def rng_digest() -> str:
-    """A digest of Python's, NumPy's and torch's (CPU and CUDA) generator states."""
-    parts = [torch.get_rng_state().numpy().tobytes(), repr(random.getstate()).encode()]
-    parts.append(np.asarray(np.random.get_state()[1]).tobytes() + str(np.random.get_state()[2]).encode())
+def rng_digests() -> dict[str, str]:
+    """A digest of each random generator's state: torch's (CPU, and CUDA once
+    initialised), NumPy's and Python's; a script may seed some of them only."""
+    np_state = np.random.get_state()
+    out = {
+        "torch": digest_bytes(torch.get_rng_state().numpy().tobytes()),
+        "numpy": digest_bytes(np.asarray(np_state[1]).tobytes(), str(np_state[2]).encode()),
+        "python": digest_bytes(repr(random.getstate()).encode()),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-    return digest_bytes(*parts)
+        out["cuda"] = digest_bytes(*(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()))
+    return out
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -192,6 +198,8 @@ class Probe:
         if ranks > 1:
             self.world_of = virtualworld.VirtualWorld(ranks, self.modules, self.loop_window)
             self.world_of.install()
+            # A rank's share of the cores, as each of the N processes has: the same intra-op sums.
+            limit_cpu_threads(backend.device, ranks)
         folder.mkdir(parents=True, exist_ok=True)
         backend.loop = ProbeLoop.around(backend.loop, self)
         _patch_tensor_backward(self)
@@ -305,7 +313,7 @@ class Probe:
             "step": step,
             "rank": rank,
             "input": digest_bytes(*(tensor_digest(t).encode() for t in tensors_in((args, kwargs)))),
-            "rng": rng_digest(),
+            "rng": rng_digests(),
             "draws": None,
         }
         if not any(m["step"] == step and m["rank"] == rank for m in self.record["micro"]):
@@ -317,7 +325,8 @@ class Probe:
     def _forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         entry = self.pending_forward
         if entry is not None and entry["draws"] is None:
-            entry["draws"] = rng_digest() != entry["rng"]
+            after = rng_digests()
+            entry["draws"] = sorted(k for k, v in after.items() if entry["rng"].get(k) != v)
         self.pending_forward = None
 
     def _virtual_rank(self) -> int | None:

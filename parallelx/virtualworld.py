@@ -78,6 +78,8 @@ class VirtualSampler(ShardedSampler):
             for r in range(like.num_replicas)
         ]
         self.current = (0, 0)  # (virtual rank, position in its shard) of the batch being read
+        self.batching: tuple[int, bool] | None = None
+        self.last_schedule: list[tuple[int, int, list[int]]] = []
 
     def _orders(self) -> list[list[int]]:
         """Begin a pass on every rank's shard (the same epoch as rank 0's) and return their orders."""
@@ -88,29 +90,73 @@ class VirtualSampler(ShardedSampler):
         orders[0] = mine
         return orders
 
-    def batches(self, batch_size: int, drop_last: bool) -> Iterator[list[int]]:
-        """What a DataLoader with ``batch_size`` draws: each rank's batches, round by round."""
+    def plan(self, batch_size: int, drop_last: bool) -> None:
+        """The next pass is cut into batches of ``batch_size`` (a DataLoader's)."""
+        self.batching = (batch_size, drop_last)
+
+    def _begin(self) -> list[tuple[int, int, list[int]]]:
+        """Start a pass: (rank, position in its shard, batch) for every rank's batches, round by round."""
+        size, drop_last = self.batching or (1, False)
+        self.batching = None
         orders = self._orders()
         per_rank = [
-            [o[i : i + batch_size] for i in range(0, len(o), batch_size) if not drop_last or i + batch_size <= len(o)]
-            for o in orders
+            [o[i : i + size] for i in range(0, len(o), size) if not drop_last or i + size <= len(o)] for o in orders
         ]
-        for j in range(min(len(b) for b in per_rank)):
-            for r, chunks in enumerate(per_rank):
-                self.current = (r, j * batch_size)
-                # MetricSums counts positions per pass: each batch starts one (real_mask below knows where it is).
-                self.passes += 1
-                self.world.micro_batch(r)
-                yield chunks[j]
+        rounds = min(len(b) for b in per_rank)
+        self.last_schedule = [(r, j * size, per_rank[r][j]) for j in range(rounds) for r in range(len(per_rank))]
+        return self.last_schedule
+
+    def tick(self, rank: int, position: int) -> None:
+        """Rank ``rank``'s batch at ``position`` of its shard is about to be read."""
+        self.current = (rank, position)
+        # MetricSums counts positions per pass: each batch starts one (real_mask below knows where it is).
+        self.passes += 1
+        self.world.micro_batch(rank)
+
+    def batches(self, batch_size: int, drop_last: bool) -> Iterator[list[int]]:
+        """What a DataLoader with ``batch_size`` draws: each rank's batches, round by round."""
+        self.plan(batch_size, drop_last)
+        for rank, position, batch in self._begin():
+            self.tick(rank, position)
+            yield batch
 
     def __iter__(self) -> Iterator[int]:
-        # A loader without batching (batch_size=None) draws one index at a time.
-        for batch in self.batches(1, False):
+        # Begun at once, as ShardedSampler's (a wrapper may read last_epoch right after iter()).
+        planned = self.batching is not None
+        schedule = self._begin()
+        if planned:  # a wrapper sampler's DataLoader batches this stream and ticks (install)
+            return (i for _, _, batch in schedule for i in batch)
+        return self._one_by_one(schedule)
+
+    def _one_by_one(self, schedule: list[tuple[int, int, list[int]]]) -> Iterator[int]:
+        for rank, position, batch in schedule:
+            self.tick(rank, position)
             yield batch[0]
 
     def real_mask(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
         rank, position = self.current
         return self.shards[rank].real_mask(position + start, count, device)
+
+
+def virtual_inside(sampler: Any, depth: int = 4) -> VirtualSampler | None:
+    """The virtual sampler ``sampler`` is, or wraps (through ``.sampler`` attributes)."""
+    for _ in range(depth):
+        if isinstance(sampler, VirtualSampler):
+            return sampler
+        sampler = getattr(sampler, "sampler", None)
+        if sampler is None:
+            return None
+    return None
+
+
+def _wrapped_batches(wrapper: Any, virtual: VirtualSampler, batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
+    """A wrapper sampler's items (one per index of ``virtual``), cut into each rank's batches."""
+    virtual.plan(batch_size, drop_last)
+    stream = iter(wrapper)
+    schedule = virtual.last_schedule
+    for rank, position, batch in schedule:
+        virtual.tick(rank, position)
+        yield [next(stream) for _ in batch]
 
 
 class StepsOfN:
@@ -212,7 +258,7 @@ class VirtualWorld:
     def loader_view(self, loader: Iterable[T]) -> tuple[Iterable[T], int]:
         """The loop form: ``loader`` as the loop should see it (its length times
         the ranks when it is built on a virtual sampler), and that factor."""
-        if isinstance(loader, DataLoader) and isinstance(_sampler_of(loader), VirtualSampler):
+        if isinstance(loader, DataLoader) and virtual_inside(_sampler_of(loader)) is not None:
             return _Longer(loader, self.ranks), self.ranks
         self.unsharded_loaders += 1
         return loader, 1
@@ -267,10 +313,13 @@ class VirtualWorld:
         _INSTALLED = True
         original_iter = BatchSampler.__iter__
 
-        def batch_iter(self: BatchSampler) -> Iterator[list[int]]:
-            if isinstance(self.sampler, VirtualSampler):
-                return self.sampler.batches(self.batch_size, self.drop_last)
-            return original_iter(self)
+        def batch_iter(self: BatchSampler) -> Iterator[list[Any]]:
+            virtual = virtual_inside(self.sampler)
+            if virtual is None:
+                return original_iter(self)
+            if virtual is self.sampler:
+                return virtual.batches(self.batch_size, self.drop_last)
+            return _wrapped_batches(self.sampler, virtual, self.batch_size, self.drop_last)
 
         BatchSampler.__iter__ = batch_iter  # type: ignore[method-assign]
 
@@ -312,7 +361,7 @@ class VirtualWorld:
         def main_process_iter(self: DataLoader) -> Any:
             # Workers read ahead of the training: the rounds' random numbers could not be
             # replayed at the right moments.  The reference reads in its main process.
-            if self.num_workers > 0 and isinstance(_sampler_of(self), VirtualSampler):
+            if self.num_workers > 0 and virtual_inside(_sampler_of(self)) is not None:
                 self.num_workers = 0
             return loader_iter(self)
 

@@ -169,6 +169,16 @@ def name(run: RunResult) -> str:
     return "the one-process reference" if not run.spec.real else run.label
 
 
+def drawn(micro: Iterable[dict[str, Any]]) -> set[str]:
+    """The generators these forwards drew from (dropout: torch's)."""
+    return {g for m in micro for g in (m.get("draws") or [])}
+
+
+def states(m: dict[str, Any], generators: Iterable[str]) -> tuple[str | None, ...]:
+    """The states of ``generators`` at forward ``m``."""
+    return tuple(m["rng"].get(g) for g in sorted(generators))
+
+
 def same_computation(reference: RunResult, floor: RunResult) -> str | None:
     """None when the floor run computed what the reference did (its weights
     aside): the same initial weights, inputs and random state at each
@@ -180,7 +190,8 @@ def same_computation(reference: RunResult, floor: RunResult) -> str | None:
         ma, mb = reference.micro(r, 1), floor.micro(r, 1)
         if [m["input"] for m in ma] != [m["input"] for m in mb]:
             return "read different inputs"
-        if [m["rng"] for m in ma] != [m["rng"] for m in mb]:
+        gens = drawn(ma + mb)
+        if [states(m, gens) for m in ma] != [states(m, gens) for m in mb]:
             return "drew different random numbers"
     return None
 
@@ -404,11 +415,11 @@ class Analysis:
                 continue
             la, lb = base.losses(1), run.losses(1)
             if la and lb and rel_scalar(la[0], lb[0]) not in (0.0, None):
-                draws = any(m.get("draws") for m in first_a + first_b)
-                if draws:
+                gens = drawn(first_a + first_b)
+                if gens:
                     state = (
                         "the generators' state at the first forward differs"
-                        if first_a[0]["rng"] != first_b[0]["rng"]
+                        if states(first_a[0], gens) != states(first_b[0], gens)
                         else "the forward draws differently"
                     )
                     self.add(
@@ -476,13 +487,12 @@ class Analysis:
                 "ranks one after another normalises each rank's micro-batch alone"
             )
         firsts = [base.micro(r, 1) for r in sorted(base.ranks)]
-        if all(firsts) and len({f[0]["rng"] for f in firsts}) > 1:
-            draws = any(m.get("draws") for r in base.ranks for m in base.micro(r, 1))
-            if draws:
-                self.limits.append(
-                    "the ranks draw different random numbers (a seed that depends on the rank) in the forward: one "
-                    "process cannot replay them"
-                )
+        gens = drawn(m for f in firsts for m in f)
+        if all(firsts) and gens and len({states(f[0], gens) for f in firsts}) > 1:
+            self.limits.append(
+                "the ranks draw different random numbers (a seed that depends on the rank) in the forward: one "
+                "process cannot replay them"
+            )
         if self.limits:
             return
         steps = min(self.reference.steps_done().get(0, 0), min(base.steps_done().values(), default=0))

@@ -151,7 +151,7 @@ class Report:
             "time",
             "steps",
             "ranks agree",
-            "step-1 grads vs ref (floor)",
+            "step-1 grads vs ref (floor)" if self.level == 2 else f"step-1 grads vs {base} (floor)",
             "weights vs ref (floor)",
             f"weights vs {base}",
             "largest at",
