@@ -197,7 +197,7 @@ class Probe:
         self.world_of: virtualworld.VirtualWorld | None = None
         if ranks > 1:
             self.world_of = virtualworld.VirtualWorld(ranks, self.modules, self.loop_window)
-            self.world_of.install()
+            virtualworld.install()
             # A rank's share of the cores, as each of the N processes has: the same intra-op sums.
             limit_cpu_threads(backend.device, ranks)
         folder.mkdir(parents=True, exist_ok=True)
@@ -285,6 +285,7 @@ class Probe:
         """At the script's end (``shutdown``, every rank: ``collective``) or exit: write what was seen."""
         if self.done:
             return
+        atexit.unregister(self.finish)
         weights = None
         if collective:
             with contextlib.suppress(Exception):
@@ -500,7 +501,7 @@ def _patch_tensor_backward(probe: Probe) -> None:
     original: Callable[..., Any] = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        live = [p for ref in _PROBES if (p := ref()) is not None and not p.inside_backward]
+        live = [p for ref in _PROBES if (p := ref()) is not None and not p.done and not p.inside_backward]
         scalar = self.dim() == 0 and self.is_floating_point()
         for p in live:
             if scalar:

@@ -302,71 +302,6 @@ class VirtualWorld:
                     out.append(b)
         return out
 
-    # -------------------------------------------------------------- process-wide patches
-    def install(self) -> None:
-        """Patch, in this process only: DataLoaders on a virtual sampler draw
-        its rounds; clipping, ``zero_grad`` and LR schedulers wait for the
-        held-back step.  The reference process runs nothing else."""
-        global _INSTALLED
-        if _INSTALLED:
-            return
-        _INSTALLED = True
-        original_iter = BatchSampler.__iter__
-
-        def batch_iter(self: BatchSampler) -> Iterator[list[Any]]:
-            virtual = virtual_inside(self.sampler)
-            if virtual is None:
-                return original_iter(self)
-            if virtual is self.sampler:
-                return virtual.batches(self.batch_size, self.drop_last)
-            return _wrapped_batches(self.sampler, virtual, self.batch_size, self.drop_last)
-
-        BatchSampler.__iter__ = batch_iter  # type: ignore[method-assign]
-
-        scheduler_step = torch.optim.lr_scheduler.LRScheduler.step
-
-        def held_scheduler_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            held = _HELD.get(self.optimizer)
-            if held is not None and held.holding():
-                return None
-            return scheduler_step(self, *args, **kwargs)
-
-        torch.optim.lr_scheduler.LRScheduler.step = held_scheduler_step  # type: ignore[method-assign]
-
-        clip = torch.nn.utils.clip_grad_norm_
-
-        def held_clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for held in _HELD.values():
-                if not held.looped():
-                    if not held.next_is_real():  # a held-back round: clip its average at the real step
-                        grads = [p.grad for p in params if p.grad is not None]
-                        return torch.nn.utils.get_total_norm(grads) / held.ranks if grads else torch.zeros(())
-                    held.average()
-            return clip(params, max_norm, *args, **kwargs)
-
-        torch.nn.utils.clip_grad_norm_ = held_clip
-        torch.nn.utils.clip_grad.clip_grad_norm_ = held_clip  # type: ignore[attr-defined]
-
-        module_zero_grad = nn.Module.zero_grad
-
-        def held_module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
-            if all(held.may_zero() for held in _HELD.values()):
-                module_zero_grad(self, set_to_none)
-
-        nn.Module.zero_grad = held_module_zero_grad  # type: ignore[method-assign]
-
-        loader_iter = DataLoader.__iter__
-
-        def main_process_iter(self: DataLoader) -> Any:
-            # Workers read ahead of the training: the rounds' random numbers could not be
-            # replayed at the right moments.  The reference reads in its main process.
-            if self.num_workers > 0 and virtual_inside(_sampler_of(self)) is not None:
-                self.num_workers = 0
-            return loader_iter(self)
-
-        DataLoader.__iter__ = main_process_iter  # type: ignore[method-assign]
-
     # -------------------------------------------------------------- what it could do
     def report(self) -> dict[str, Any]:
         """Whether the global batch was reproduced, and if not, why."""
@@ -383,7 +318,73 @@ class VirtualWorld:
         return {"ranks": self.ranks, "limits": limits, "batches_read": self.batches_read}
 
 
-_INSTALLED = False
+# ---------------------------------------------------------------- process-wide patches
+#: (owner, attribute, original) of every patch in place.
+_PATCHED: list[tuple[Any, str, Any]] = []
+
+
+def install() -> None:
+    """Patch, in this process only (the reference runs nothing else): a
+    DataLoader on a virtual sampler draws its rounds, in the main process;
+    gradient clipping, ``zero_grad`` and LR schedulers wait for a held-back
+    step.  Each patch calls the original for everything else."""
+    if _PATCHED:
+        return
+    batch_iter, scheduler_step = BatchSampler.__iter__, torch.optim.lr_scheduler.LRScheduler.step
+    clip, module_zero_grad, loader_iter = torch.nn.utils.clip_grad_norm_, nn.Module.zero_grad, DataLoader.__iter__
+
+    def rounds_iter(self: BatchSampler) -> Iterator[list[Any]]:
+        virtual = virtual_inside(self.sampler)
+        if virtual is None:
+            return batch_iter(self)
+        if virtual is self.sampler:
+            return virtual.batches(self.batch_size, self.drop_last)
+        return _wrapped_batches(self.sampler, virtual, self.batch_size, self.drop_last)
+
+    def held_scheduler_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = _HELD.get(self.optimizer)
+        if held is not None and held.holding():
+            return None
+        return scheduler_step(self, *args, **kwargs)
+
+    def held_clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for held in list(_HELD.values()):
+            if not held.looped():
+                if not held.next_is_real():  # a held-back round: its average is clipped at the real step
+                    grads = [p.grad for p in params if p.grad is not None]
+                    return torch.nn.utils.get_total_norm(grads) / held.ranks if grads else torch.zeros(())
+                held.average()
+        return clip(params, max_norm, *args, **kwargs)
+
+    def held_module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+        if all(held.may_zero() for held in list(_HELD.values())):
+            module_zero_grad(self, set_to_none)
+
+    def main_process_iter(self: DataLoader) -> Any:
+        # Workers read ahead of the training: each rank's random numbers could not be
+        # replayed at the right moments.  The reference reads in its main process.
+        if self.num_workers > 0 and virtual_inside(_sampler_of(self)) is not None:
+            self.num_workers = 0
+        return loader_iter(self)
+
+    for owner, name, new in (
+        (BatchSampler, "__iter__", rounds_iter),
+        (torch.optim.lr_scheduler.LRScheduler, "step", held_scheduler_step),
+        (torch.nn.utils, "clip_grad_norm_", held_clip),
+        (torch.nn.utils.clip_grad, "clip_grad_norm_", held_clip),
+        (nn.Module, "zero_grad", held_module_zero_grad),
+        (DataLoader, "__iter__", main_process_iter),
+    ):
+        _PATCHED.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (for tests that build a virtual world in their own process)."""
+    while _PATCHED:
+        owner, name, original = _PATCHED.pop()
+        setattr(owner, name, original)
 
 
 class _Longer:
