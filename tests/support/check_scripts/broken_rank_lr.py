@@ -1,6 +1,6 @@
 """A learning rate that depends on the rank (someone "scaling" it by hand).
 
-    python -m parallelx check -- tests/support/check_scripts/broken_rank_lr.py
+python -m parallelx check -- tests/support/check_scripts/broken_rank_lr.py
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """The optimizer stepped on rank 0 only (as if it were logging), in the protocol form.
 
-    python -m parallelx check -- tests/support/check_scripts/broken_step_on_main.py
+python -m parallelx check -- tests/support/check_scripts/broken_step_on_main.py
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """A loader that does not shard: every rank shuffles the whole set with the same seed.
 
-    python -m parallelx check -- tests/support/check_scripts/broken_unsharded.py
+python -m parallelx check -- tests/support/check_scripts/broken_unsharded.py
 """
 
 import argparse
