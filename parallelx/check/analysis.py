@@ -441,7 +441,7 @@ class Analysis:
             changed = [k for k in sorted({*mine, *theirs}) if mine.get(k) != theirs.get(k)]
             if not changed:
                 continue
-            told = ", ".join(f"{k}={theirs.get(k)!r} (on {base.label}: {mine.get(k)!r})" for k in changed)
+            told = ", ".join(f"{k}={theirs.get(k)!r} (on {name(base)}: {mine.get(k)!r})" for k in changed)
             said = [w for w in run.warnings if "differs" in w or "config" in w]
             why = f"; it says: {said[0]}" if said else ""
             self.add(
@@ -521,9 +521,10 @@ class Analysis:
         steps = self.steps
         for run in self.usable:
             self.same_samples(run)
+        # Options: the one-process reference ran with the same arguments (a backend's config aside).
+        self.options([r for r in [self.reference, *self.usable] if r is not None])
         if len(self.usable) > 1:
             self.between_runs(self.usable)
-            self.options(self.usable)
             self.hyperparameters(self.usable)
         if self.reference is not None and self.usable:
             self.between_runs([self.usable[0], self.reference])

@@ -207,11 +207,11 @@ def run_one(
         result.grads = torch.load(out / "grads.pt", weights_only=True)
     if (out / "weights.pt").is_file():
         result.weights = torch.load(out / "weights.pt", weights_only=True)
-    result.error = _why_unusable(result, done.error())
+    result.error = _why_unusable(result, done.error(), done.output)
     return result
 
 
-def _why_unusable(result: RunResult, launch_error: str | None) -> str | None:
+def _why_unusable(result: RunResult, launch_error: str | None, output: str) -> str | None:
     spec = result.spec
     if not result.ranks:
         if launch_error is None:
@@ -219,7 +219,7 @@ def _why_unusable(result: RunResult, launch_error: str | None) -> str | None:
                 "it recorded nothing: the script never initialised a parallelx backend (does it call "
                 "parallelx.from_args(args) or backend.init()?)"
             )
-        return f"{launch_error}; {last_error_line(result.tail)}"
+        return f"{launch_error}; {last_error_line(output)}"
     ran = result.rank0().get("backend")
     if ran != spec.backend:
         return (
@@ -229,20 +229,26 @@ def _why_unusable(result: RunResult, launch_error: str | None) -> str | None:
     missing = [r for r in range(spec.nproc) if r not in result.ranks]
     if missing:
         why = launch_error or "it ended"
-        return f"{why}; rank(s) {', '.join(map(str, missing))} recorded nothing; {last_error_line(result.tail)}"
+        return f"{why}; rank(s) {', '.join(map(str, missing))} recorded nothing; {last_error_line(output)}"
     if launch_error is not None:
         # Every rank recorded what it saw; the failure came after (a rank left waiting in a collective).
-        result.launch_error = f"{launch_error}; {last_error_line(result.tail)}"
+        result.launch_error = f"{launch_error}; {last_error_line(output)}"
     return None
 
 
-def last_error_line(tail: str) -> str:
-    """The line of a failed run's output that says why (the last exception's, else its last line)."""
-    lines = [PREFIX.sub("", ln).strip() for ln in tail.splitlines()]
+#: Exceptions of the launchers themselves, which only say that a worker failed.
+LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError", "torch.distributed.elastic", "horovod.runner")
+
+
+def last_error_line(output: str) -> str:
+    """The line of a failed run's output that says why: the script's last
+    exception (not the launcher's report of it), else the last line."""
+    lines = [PREFIX.sub("", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
-    for ln in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception|error:)", ln) or ln.startswith("error:"):
-            return ln
+    errors = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln) or ln.startswith("error:")]
+    own = [ln for ln in errors if not any(k in ln for k in LAUNCHER_ERRORS)]
+    if own or errors:
+        return (own or errors)[-1]
     return lines[-1] if lines else "no output"
 
 

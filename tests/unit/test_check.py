@@ -275,7 +275,7 @@ def test_a_backend_option_that_changes_the_math():
     report = check(run("ddp"), ds)
     assert causes(report) == ["backend-option"]
     what = report.differences()[0].what
-    assert "clip_grad_norm=0.25 (on ddp: None)" in what and "gradient_clipping=0.25" in what
+    assert "clip_grad_norm=0.25 (on the one-process reference: None)" in what and "gradient_clipping=0.25" in what
     assert report.row("deepspeed-zero0").grads_vs_baseline.worst == 0  # the gradients agree: the update does not
 
 
@@ -378,6 +378,8 @@ def test_a_failed_reference_leaves_level_1_with_its_reason():
 def test_the_line_that_says_why_a_run_failed():
     tail = "[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n[rank1]: ValueError: bad shape\nE1203 exit"
     assert last_error_line(tail) == "ValueError: bad shape"
+    torchrun = tail + "\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====="
+    assert last_error_line(torchrun) == "ValueError: bad shape"  # the script's, not the launcher's
     assert last_error_line("error: the script needs --data-dir\n") == "error: the script needs --data-dir"
     assert last_error_line("") == "no output"
 
