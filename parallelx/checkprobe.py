@@ -293,11 +293,12 @@ class Probe:
         self._write(f"the script ended after {self.steps_done} optimizer steps", weights)
 
     # ---------------------------------------------------------------- forward and backward
-    def loop_window(self) -> tuple[bool, int, bool]:
-        """(the loop manages the current micro-batch, its position in the window, the loop is stepping)."""
+    def loop_window(self) -> tuple[bool, int, bool, bool]:
+        """(the loop manages the current micro-batch, its position in the window, it is the
+        window's last, the loop is stepping)."""
         loop = self.backend.loop
         w = loop.window
-        return w.managed, w.position, isinstance(loop, ProbeLoop) and loop.in_step
+        return w.managed, w.position, w.boundary, isinstance(loop, ProbeLoop) and loop.in_step
 
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.done:
@@ -348,7 +349,7 @@ class Probe:
         """A backward outside the loop's windows (the protocol form): on most
         backends the gradients are averaged now, before ``optimizer.step()``."""
         # (In the reference the held-back step averages first: its pre-hook captures.)
-        managed, _, _ = self.loop_window()
+        managed = self.loop_window()[0]
         if self.world_of is None and not managed and self.optimizers and not self.done:
             self._capture(self.optimizers[0])
 
@@ -466,11 +467,11 @@ class ProbeLoop(TrainingLoop):
         view, n = world.loader_view(loader)
         saved = self.options
         # Each window holds the N virtual ranks' micro-batches of a window, in turn.
-        self.options = world.window_options(saved, n)
+        scaled = self.options = world.window_options(saved, n)
         try:
             yield from super().batches(view, None if limit is None else limit * n)
         finally:
-            if self.options is not saved:
+            if self.options is scaled:  # (set_options meanwhile wins)
                 self.options = saved
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:

@@ -48,8 +48,9 @@ from .sampler import ShardedSampler
 
 T = TypeVar("T")
 
-#: (the loop manages the current micro-batch, its position in the window, the loop is stepping).
-Window = Callable[[], tuple[bool, int, bool]]
+#: (the loop manages the current micro-batch, its position in the window, it is the window's last,
+#: the loop is stepping).
+Window = Callable[[], tuple[bool, int, bool, bool]]
 
 
 class VirtualSampler(ShardedSampler):
@@ -172,13 +173,17 @@ class StepsOfN:
         cls = type(optimizer)
         self.real_step = cls.step
         self.real_zero_grad = cls.zero_grad
+        self.params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def owns(self, params: Iterable[torch.Tensor]) -> bool:
+        return any(id(p) in self.params for p in params)
 
     def install(self) -> None:
         self.optimizer.step = types.MethodType(_held_step, self.optimizer)  # type: ignore[method-assign]
         self.optimizer.zero_grad = types.MethodType(_held_zero_grad, self.optimizer)  # type: ignore[method-assign]
 
     def looped(self) -> bool:
-        return self.window()[2]
+        return self.window()[3]
 
     def holding(self) -> bool:
         """True while the calls of a round are being held back."""
@@ -196,8 +201,19 @@ class StepsOfN:
                             p.grad.div_(self.ranks)
             self.averaged = True
 
+    def may_clip(self) -> bool:
+        """Clipping by the script itself acts on the whole average only: at the
+        window's last micro-batch (the loop form), or before the real step."""
+        managed, _, boundary, stepping = self.window()
+        if stepping or managed:
+            return stepping or boundary
+        if self.next_is_real():
+            self.average()
+            return True
+        return False
+
     def may_zero(self) -> bool:
-        managed, position, stepping = self.window()
+        managed, position, _, stepping = self.window()
         if stepping:
             return True
         if managed:  # the loop form: the window's first micro-batch only
@@ -349,16 +365,15 @@ def install() -> None:
 
     def held_clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for held in list(_HELD.values()):
-            if not held.looped():
-                if not held.next_is_real():  # a held-back round: its average is clipped at the real step
-                    grads = [p.grad for p in params if p.grad is not None]
-                    return torch.nn.utils.get_total_norm(grads) / held.ranks if grads else torch.zeros(())
-                held.average()
-        return clip(params, max_norm, *args, **kwargs)
+        if all(held.may_clip() for held in list(_HELD.values()) if held.owns(params)):
+            return clip(params, max_norm, *args, **kwargs)
+        # Part of a round: the average is clipped when it is whole.
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
     def held_module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
-        if all(held.may_zero() for held in list(_HELD.values())):
+        params = list(self.parameters())
+        if all(held.may_zero() for held in list(_HELD.values()) if held.owns(params)):
             module_zero_grad(self, set_to_none)
 
     def main_process_iter(self: DataLoader) -> Any:

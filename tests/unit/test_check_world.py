@@ -60,7 +60,7 @@ class Keys(Sampler):
 @pytest.fixture
 def world():
     """A virtual world of N ranks with its process-wide patches, removed afterwards."""
-    w = VirtualWorld(N, lambda: [], lambda: (False, 0, False))
+    w = VirtualWorld(N, lambda: [], lambda: (False, 0, True, False))
     virtualworld.install()
     yield w
     virtualworld.uninstall()
@@ -138,7 +138,7 @@ def test_a_held_back_step_applies_the_average_of_the_ranks_gradients():
     start = {k: v.clone() for k, v in model.state_dict().items()}
     xs = [torch.randn(5, 3), torch.randn(5, 3)]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    held = StepsOfN(opt, N, lambda: (False, 0, False))
+    held = StepsOfN(opt, N, lambda: (False, 0, True, False))
     virtualworld._HELD[opt] = held
     held.install()
     for x in xs:  # the protocol form, as each rank runs it
@@ -206,3 +206,32 @@ def test_the_probe_records_a_run_and_the_reference_averages_the_ranks(tmp_path, 
     for k in expected:
         assert torch.allclose(grads[k], expected[k], atol=1e-7), k
     assert (tmp_path / "weights.pt").is_file()
+
+
+def test_the_script_s_own_clipping_clips_the_average_once(world):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    xs = [torch.randn(5, 3) * 10, torch.randn(5, 3) * 10]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    held = StepsOfN(opt, N, lambda: (False, 0, True, False))
+    virtualworld._HELD[opt] = held
+    held.install()
+    for x in xs:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+    ref = nn.Linear(3, 1)
+    ref.load_state_dict(start)
+    ref.zero_grad()
+    for x in xs:
+        (ref(x).pow(2).mean() / N).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    assert norm > 0.1  # it clips
+    torch.nn.utils.clip_grads_with_norm_(list(ref.parameters()), 0.1, norm)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
