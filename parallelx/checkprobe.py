@@ -40,7 +40,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -121,7 +121,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 def rng_digests() -> dict[str, str]:
     """A digest of each random generator's state: torch's (CPU, and CUDA once
     initialised), NumPy's and Python's; a script may seed some of them only."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     out = {
         "torch": digest_bytes(torch.get_rng_state().numpy().tobytes()),
         "numpy": digest_bytes(np.asarray(np_state[1]).tobytes(), str(np_state[2]).encode()),
