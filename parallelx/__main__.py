@@ -6,7 +6,7 @@ python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar1
                                                 # start N local processes with the backend's own launcher
 python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
                                                 # a sharded checkpoint as one portable file
-python -m parallelx check -- train.py ARGS      # the same numbers on every backend?
+python -m parallelx check -- train.py ARGS      # the same numbers on every backend? (docs/check.md)
 """
 
 from __future__ import annotations
