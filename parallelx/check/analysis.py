@@ -471,6 +471,11 @@ class Analysis:
                     break
 
     # ------------------------------------------------------------ level 2: what the reference can stand for
+    def repeats(self) -> bool:
+        """True when the floor run repeated the reference's computation (weights aside): the
+        script is deterministic, so whatever else differs from the reference is the replay's."""
+        return self.floor is not None and self.floor_problem is None
+
     def reference_limits(self) -> None:
         raw = self.reference_raw
         if self.reference is None:
@@ -494,6 +499,14 @@ class Analysis:
                 "process cannot replay them"
             )
         if self.limits:
+            return
+        if self.initial(self.reference) != self.initial(base):
+            self.limits.append("the reference built other initial weights than rank 0 did")
+            return
+        mine, theirs = self.reference.micro(0, 1), base.micro(0, 1)
+        gens = drawn(mine[:1] + theirs[:1])
+        if mine and theirs and gens and states(mine[0], gens) != states(theirs[0], gens):
+            self.limits.append("the reference's random state at the first forward differs from rank 0's")
             return
         steps = min(self.reference.steps_done().get(0, 0), min(base.steps_done().values(), default=0))
         for s in range(1, steps + 1):
@@ -526,7 +539,8 @@ class Analysis:
         if len(self.usable) > 1:
             self.between_runs(self.usable)
             self.hyperparameters(self.usable)
-        if self.reference is not None and self.usable:
+        if self.reference is not None and self.usable and not self.repeats():
+            # The script does not repeat itself: what differs from the reference is the script's doing.
             self.between_runs([self.usable[0], self.reference])
         self.reference_limits()
         level = 1 if self.limits else 2

@@ -459,3 +459,33 @@ def test_the_command_line_refuses_bad_options_with_exit_status_2(capsys):
         main(["check"])
     assert exc.value.code == 2
     assert "nothing to check" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- one backend and the reference
+def test_with_one_backend_a_script_that_does_not_repeat_itself_is_the_script_s_fault():
+    """Unseeded augmentation: the reference, its repeat and the run all read other inputs."""
+
+    def jitter(tag: str) -> Callable[[int, dict[str, Any]], None]:
+        def edit(rank: int, rec: dict[str, Any]) -> None:
+            for m in rec["micro"]:
+                m["input"] += tag
+
+        return edit
+
+    floor = run("floor", real=False, weights=nudged(WEIGHTS, 1e-7), edit=jitter("~"))
+    report = check(run("ddp", edit=jitter("!")), floor=floor)
+    assert causes(report) == ["data-randomness"], report.render()
+    assert "read different inputs" in report.floor_method
+
+
+def test_with_one_backend_what_only_the_replay_misses_is_a_limit_not_a_failure():
+    """Augmentation drawn in DataLoader workers: the reference repeats itself exactly, yet
+    cannot draw what the ranks' workers drew."""
+
+    def workers(rank: int, rec: dict[str, Any]) -> None:
+        for m in rec["micro"]:
+            m["input"] += "@worker"
+
+    report = check(run("ddp", edit=workers))
+    assert report.exit_code == SAME and report.level == 1, report.render()
+    assert "could not rebuild rank 0's inputs" in report.level_reason
