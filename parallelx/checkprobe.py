@@ -149,10 +149,6 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
-def bf16_free(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.is_floating_point() and t.dtype != torch.float64 else t
-
-
 # ------------------------------------------------------------------ the probe
 class Probe:
     """Records one process of a checked run (see the module's docstring)."""
@@ -183,11 +179,9 @@ class Probe:
             "losses": [],
             "steps": [],
             "stopped": None,
-            "loaders": [],
         }
         self.capture: dict[str, Any] | None = None  # the gradients seen for the step under way
         self.captured_at_boundary = False
-        self.step_depth = 0
         self.first_grads: dict[str, torch.Tensor] | None = None
         self.inside_backward = False
         self.pending_forward: dict[str, Any] | None = None
@@ -228,7 +222,8 @@ class Probe:
             }
         )
         if self.perturb > 0:
-            # The noise-floor run: every weight off by about one float32 rounding, with random signs.
+            # The noise-floor run: every weight moved by `perturb` (half a float32 rounding), random signs,
+            # from a generator of its own (the script's random numbers stay as they were).
             g = torch.Generator().manual_seed(1234 + len(self.record["models"]))
             with torch.no_grad():
                 for p in model.parameters():
@@ -401,7 +396,7 @@ class Probe:
         out: dict[str, torch.Tensor] = {}
         for i, model in enumerate(self.models):
             for k, v in self.backend.model_state_dict(model).items():
-                out[f"{i}.{k}" if i else k] = bf16_free(v)
+                out[f"{i}.{k}" if i else k] = v
         return out
 
     # ---------------------------------------------------------------- ending the run

@@ -369,7 +369,7 @@ class Analysis:
         if min(lengths) == 0:
             return
         k = min(lengths)
-        if all(len({tuple(v[:k]) for v in per_rank.values()}) == 1 for _ in [0]):
+        if len({tuple(v[:k]) for v in per_rank.values()}) == 1:
             self.add(
                 "unsharded-loader",
                 f"every rank read the same samples at step 1 ({run.label}): the loader does not shard the data, "
@@ -434,6 +434,8 @@ class Analysis:
 
     def options(self, runs: Sequence[RunResult]) -> None:
         """A backend whose loop options (its config) change the math."""
+        if len(runs) < 2:
+            return
         base = runs[0]
         mine = base.options()
         for run in runs[1:]:
@@ -554,8 +556,8 @@ class Analysis:
                 floor_g = per_tensor(self.reference.grads, self.floor.grads)
                 for name, (k, n) in noise_only(self.reference.grads, self.floor.grads).items():
                     self.notes.append(
-                        f"{name}: {k} of its {n} gradients are zero in exact arithmetic, pure rounding noise "
-                        "(an optimizer like AdamW turns it into steps): judged against its own floor, not failed"
+                        f"{name}: {k} of its {n} gradients are rounding noise alone (zero in exact arithmetic, as "
+                        "an attention key bias's; AdamW turns that noise into steps): judged against its own floor"
                     )
             floors_s = floor_series(self.reference, self.floor, steps)
             floor_method = FLOOR_METHOD
@@ -596,7 +598,15 @@ class Analysis:
             )
         failed = [r for r in rows if r.status == "failed"]
         differing = [f for f in self.findings if f.fails]
-        if differing:
+        stepless = bool(self.usable) and all(max(r.steps_done().values(), default=0) == 0 for r in self.usable)
+        if stepless and not differing:
+            code = COULD_NOT_RUN
+            verdict = (
+                "exit 2: no run took an optimizer step that parallelx saw: wrap the optimizer "
+                "(optimizer = backend.wrap_optimizer(optimizer), or backend.setup(model, optimizer)) and let the "
+                "script train for at least one step"
+            )
+        elif differing:
             code = DIFFERS
             verdict = (
                 f"exit 1: {len(differing)} difference{'s' if len(differing) > 1 else ''} found "

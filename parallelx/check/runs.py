@@ -241,14 +241,17 @@ LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError", "torch.distributed.
 
 
 def last_error_line(output: str) -> str:
-    """The line of a failed run's output that says why: the script's last
-    exception (not the launcher's report of it), else the last line."""
+    """The line of a failed run's output that says why: the script's first
+    exception (the others are usually its consequences on the other ranks;
+    not the launcher's report of it), else the last line."""
     lines = [PREFIX.sub("", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
     errors = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln) or ln.startswith("error:")]
     own = [ln for ln in errors if not any(k in ln for k in LAUNCHER_ERRORS)]
-    if own or errors:
-        return (own or errors)[-1]
+    if own:
+        return own[0]
+    if errors:
+        return errors[-1]
     return lines[-1] if lines else "no output"
 
 

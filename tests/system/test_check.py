@@ -173,7 +173,7 @@ def test_a_script_that_cannot_run_exits_2(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(
         "import argparse, parallelx\np = argparse.ArgumentParser(); parallelx.add_arguments(p)\n"
-        "with parallelx.from_args(p.parse_args()) as b:\n    raise ValueError('no data here')\n"
+        "args = p.parse_args()\nraise ValueError('no data here')\n"
     )
     done = runner.run(
         [sys.executable, "-m", "parallelx", "check", "--backends", "ddp", "--", str(script)], timeout=300, cwd=ROOT

@@ -362,6 +362,15 @@ def test_a_run_without_records_could_not_run():
     assert "horovod failed: exited with status 1; boom" in report.render()
 
 
+def test_nothing_usable_at_all_could_not_run():
+    def crashed(label: str, ranks: int = 0) -> RunResult:
+        spec = RunSpec(label, "single" if ranks else "ddp", (), 1 if ranks else 2, ranks=ranks)
+        return RunResult(spec, returncode=1, error="exited with status 1; ValueError: no data here")
+
+    report = check(crashed("ddp"), reference=crashed("reference", 2), floor=crashed("floor", 2))
+    assert report.exit_code == COULD_NOT_RUN and "ValueError: no data here" in report.verdict
+
+
 def test_a_failed_launch_with_records_and_nothing_to_explain_it_could_not_run():
     late = run("fsdp")
     late.launch_error = "timed out after 600s and was killed"
@@ -378,8 +387,8 @@ def test_a_failed_reference_leaves_level_1_with_its_reason():
 def test_the_line_that_says_why_a_run_failed():
     tail = "[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n[rank1]: ValueError: bad shape\nE1203 exit"
     assert last_error_line(tail) == "ValueError: bad shape"
-    torchrun = tail + "\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====="
-    assert last_error_line(torchrun) == "ValueError: bad shape"  # the script's, not the launcher's
+    torchrun = tail + "\n[rank0]: RuntimeError: Connection closed by peer\nChildFailedError:\n====="
+    assert last_error_line(torchrun) == "ValueError: bad shape"  # the first (a peer's is its echo), not torchrun's
     assert last_error_line("error: the script needs --data-dir\n") == "error: the script needs --data-dir"
     assert last_error_line("") == "no output"
 
@@ -489,3 +498,12 @@ def test_with_one_backend_what_only_the_replay_misses_is_a_limit_not_a_failure()
     report = check(run("ddp", edit=workers))
     assert report.exit_code == SAME and report.level == 1, report.render()
     assert "could not rebuild rank 0's inputs" in report.level_reason
+
+
+def test_a_script_whose_steps_the_check_never_sees_could_not_run():
+    def no_steps(rank: int, rec: dict[str, Any]) -> None:
+        rec["steps"], rec["steps_done"] = [], 0
+        rec["stopped"] = "the script ended after 0 optimizer steps"
+
+    report = check(run("ddp", edit=no_steps), reference=run("reference", real=False, edit=no_steps))
+    assert report.exit_code == COULD_NOT_RUN and "backend.wrap_optimizer" in report.verdict
