@@ -79,7 +79,7 @@ def _first(backend: Backend, first: bool, who: str) -> Iterator[None]:
     yield
 
 
-class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+class RankLogger(logging.LoggerAdapter[logging.Logger]):
     """A logger that writes on the main process only; ``main_process_only=False``
     in a call writes on every process (with ``[rank R]`` in front when the
     logger was given its backend)."""
@@ -88,7 +88,10 @@ class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         super().__init__(logger, {})
         self.backend = backend
 
-    def log(self, level: int, msg: object, *args: Any, main_process_only: bool = True, **kwargs: Any) -> None:
+    # The extra keyword is the point of this class (Accelerate's spelling); LoggerAdapter.log's named keywords pass through **kwargs.
+    def log(  # type: ignore[override]
+        self, level: int, msg: object, *args: Any, main_process_only: bool = True, **kwargs: Any
+    ) -> None:
         main = self.backend.is_main() if self.backend is not None else log.is_main_process()
         if main_process_only and not main:
             return

@@ -158,7 +158,7 @@ class MetricSums:
         if len(ranks) == world:
             loss_sum, correct, count, tracks = ranks[rank]
         elif rank == 0:
-            loss_sum, correct, count = (sum(r[i] for r in ranks) for i in range(3))
+            loss_sum, correct, count = sum(r[0] for r in ranks), sum(r[1] for r in ranks), sum(r[2] for r in ranks)
             tracks = next((r[3] for r in ranks if r[3] is not None), None)
         else:
             loss_sum, correct, count, tracks = 0.0, 0, 0, None

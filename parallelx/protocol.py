@@ -41,8 +41,9 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from . import activations, buffers, checkpoint, gather, log
+from . import activations, buffers, checkpoint, checkprobe, gather, log
 from .batchnorm import SyncBatchNorm, convert_batchnorm
+from .checkprobe import Probe
 from .collectives import Collectives, LocalCollectives
 from .compiling import CompileOptions, compile_in_place, uncompiled
 from .elastic import Elastic
@@ -166,6 +167,8 @@ class Backend(abc.ABC):
         self._modules: list[weakref.ref[nn.Module]] = []
         self._known_params: dict[int, weakref.ref[torch.Tensor]] = {}
         self._buffer_sync = buffers.BufferSync(lambda t: self.comm.broadcast(t, src=0))
+        #: ``python -m parallelx check``'s probe in the processes it launches (:mod:`parallelx.checkprobe`).
+        self.probe: Probe | None = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -274,6 +277,11 @@ class Backend(abc.ABC):
             self.abort()
             raise ParallelxError(f"{self.name}: {exc}") from None
         self.loop = self._make_loop()
+        # check: in a run `python -m parallelx check` launched, a probe records it (parallelx.checkprobe);
+        # in the check's one-process reference it plays N ranks, and the script sees rank 0 of N.
+        self.probe = checkprobe.attach(self)
+        if self.probe is not None and self.probe.virtual_ranks > 1:
+            self._world_size = self.probe.virtual_ranks
         # A script that ends without shutdown() (it raised, or forgot) still
         # releases the process group before the interpreter is torn down, while
         # the threads of its communication library can still take the GIL.
@@ -292,6 +300,8 @@ class Backend(abc.ABC):
         """Leave the world and release what the backend holds.  Every rank calls
         it at the end of a successful run.  Safe to call more than once."""
         if self._initialized:
+            if self.probe is not None:  # check: every rank is here, the probe's collectives are safe
+                self.probe.finish()
             try:
                 with self._watch("shutdown"):
                     self.monitor.close()  # the last metrics (a collective when reduced), the trackers closed
@@ -364,6 +374,8 @@ class Backend(abc.ABC):
             )
             self.compile_options = CompileOptions(enabled=True)
         known = list(model.parameters())
+        if self.probe is not None:  # check: the initial weights, before any broadcast
+            self.probe.before_wrap(model)
         checkpointing = self.activation_checkpointing
         if checkpointing is not None and checkpointing is not False:
             activations.apply(model, None if isinstance(checkpointing, bool) else checkpointing)
@@ -377,6 +389,8 @@ class Backend(abc.ABC):
         self._modules = [ref for ref in self._modules if ref() is not None]
         self._modules.append(weakref.ref(module))
         self._buffer_sync.track(module)
+        if self.probe is not None:  # check
+            self.probe.wrapped_model(wrapped)
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -397,6 +411,8 @@ class Backend(abc.ABC):
         if self.world_size > 1:  # rank 0's buffers on every rank after each step (parallelx.buffers)
             live = [p for group in wrapped.param_groups for p in group["params"]]
             self._buffer_sync.attach([*params, *live], wrapped)
+        if self.probe is not None:  # check
+            wrapped = self.probe.wrapped_optimizer(wrapped)
         return wrapped
 
     @abc.abstractmethod
@@ -507,9 +523,10 @@ class Backend(abc.ABC):
         """This rank's shard of ``dataset``: disjoint shards that cover it, padded
         to equal length (``MetricSums`` leaves the padding out); a new shuffle
         every epoch without ``set_epoch``."""
-        return ShardedSampler(
+        sampler = ShardedSampler(
             dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
+        return sampler if self.probe is None else self.probe.made_sampler(sampler, dataset)  # check
 
     # ---------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:

@@ -56,6 +56,7 @@ _LONGEST = (
     "test_stall.py",
     "test_gpu_check.py",
     "test_recipes.py",
+    "test_check.py",
     "test_multinode.py",
     "engines",
     "test_recipe_parity.py",

@@ -41,11 +41,13 @@ LAYERS: list[set[str]] = [
         "activations",
         "lockstep",
         "tracking",
+        "checkprobe",
+        "virtualworld",
     },
     {"protocol"},
     {"local", "process_group", "trainstate", "preempt", "main_process"},
     {"registry"},
-    {"cli", "envreport", "backends", "ray"},
+    {"cli", "envreport", "backends", "ray", "check", "testing"},
     {"__init__", "__main__"},
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
