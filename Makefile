@@ -4,7 +4,7 @@ PY := .venv/bin/python
 # them per environment, so two checkouts do not keep rebuilding each other's.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast lint bench docs docs-serve clean
 
 setup:
 	bash scripts/setup.sh
@@ -27,5 +27,21 @@ test-fast: setup
 bench: setup
 	$(PY) -m benchmarks.run --mode quick
 
+## Lint, formatting and types (ruff; mypy over parallelx/ and backends/), as CI runs them.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+## The documentation site (docs/ and the API reference from the docstrings) into site/.
+## Strict: a link to a missing page or anchor fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	@echo "docs: the site is in $(CURDIR)/site/ (open $(CURDIR)/site/index.html, or run make docs-serve)"
+
+## The same site served at http://127.0.0.1:8000, rebuilt on every change.
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 clean:
-	rm -rf runs data .pytest_cache
+	rm -rf runs data site .pytest_cache

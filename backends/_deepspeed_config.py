@@ -62,7 +62,7 @@ def build_config(
         fp16["enabled"] = True
         fp16.setdefault("loss_scale", 0)
     # parallelx clips the averaged gradients as torch does (whole under ZeRO 0,
-    # each rank's share under ZeRO 1-3: _clip_gradients); only where the
+    # each rank's share under ZeRO 1-3: DeepSpeedSync.clip); only where the
     # engine keeps copies that parallelx does not see does the engine clip,
     # with its own arithmetic.
     cfg["gradient_clipping"] = (options.clip_grad_norm or 0.0) if engine_clips(cfg) else 0.0

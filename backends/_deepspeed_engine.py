@@ -8,13 +8,15 @@ explicitly.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from parallelx.collectives import Watch
 from parallelx.errors import ParallelxError
+from parallelx.lockstep import ForwardLockstep
 from parallelx.state import keep_rng_state
 
 
@@ -23,19 +25,29 @@ class DeepSpeedModel(nn.Module):
     built, its DeepSpeed engine (``.engine``).  Calls go through the engine;
     attributes the wrapper lacks are the engine's (``model.save_checkpoint``)."""
 
-    def __init__(self, backend: Any, module: nn.Module) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        build: Callable[[DeepSpeedModel, None], Any],
+        watch: Watch,
+        lockstep: ForwardLockstep | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
         # Not registered as submodules: the engine holds the same module again.
-        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "build", build)
+        object.__setattr__(self, "watch", watch)
+        object.__setattr__(self, "lockstep", lockstep)
         object.__setattr__(self, "engine", None)
         object.__setattr__(self, "trains", False)  # built with an optimizer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
             with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
-                self._backend._build(self, None)  # no optimizer came: an engine for inference
-        with self._backend._watch("forward (ZeRO-3 gathers parameters in it)"):
+                self.build(self, None)  # no optimizer came: an engine for inference
+        if self.lockstep is not None:
+            self.lockstep.check(self.training)
+        with self.watch("forward (ZeRO-3 gathers parameters in it)"):
             return self.engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DeepSpeedModel:
@@ -72,14 +84,17 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         #: them in ``param_groups`` by its flat partitions): the order in which
         #: the clipping norm adds them up, as torch's does.
         self.trained_params: list[nn.Parameter] = list(params or [])
-        self._optimizer_step_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = collections.OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = collections.OrderedDict()
+        # torch.optim.Optimizer has no public way to make its hook registries
+        # without building parameter groups of its own (its __init__ does both):
+        # they are made here, so that register_step_post_hook and the others work.
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -87,7 +102,7 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -95,7 +110,7 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return getattr(self.optimizer, "defaults", {})
 
@@ -150,5 +165,5 @@ def graph_parameters(loss: torch.Tensor) -> set[int]:
         var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
         if var is not None:
             found.add(id(var))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return found

@@ -36,7 +36,7 @@ from torch import nn
 
 from parallelx.checkpoint import to_cpu
 from parallelx.errors import ParallelxError
-from parallelx.trainstate import check_named_groups, indexed_optimizer_state, named_from_indexed
+from parallelx.state import check_named_groups, indexed_optimizer_state, named_from_indexed
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -44,7 +44,7 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """A parameter's whole shape, also under ZeRO-3 (where the local tensor is a shard)."""
     return tuple(getattr(param, "ds_shape", param.shape))
 
@@ -60,14 +60,16 @@ def check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
             )
 
 
-def set_fp32_masters(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy loaded weights into ZeRO's fp32 master copies: ZeRO steps the
-    masters and copies them back into the weights, so the masters must hold
-    the loaded values too."""
+def set_fp32_masters(zero: Any, stage: int, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy loaded weights into ZeRO's fp32 master copies of the parameters
+    ``zero`` (DeepSpeed's ZeRO optimizer) trains: ZeRO steps the masters and
+    copies them back into the weights, so the masters must hold the loaded
+    values too.  Parameters outside the optimizer's groups have no master."""
     from deepspeed.utils import safe_set_full_fp32_param
 
+    trained = {id(p) for params in _groups(zero, stage) for p in params}
     for name, p in module.named_parameters():
-        if p.requires_grad and name in state:
+        if id(p) in trained and name in state:
             safe_set_full_fp32_param(p, state[name].to(p.device, torch.float32))
 
 
@@ -79,6 +81,7 @@ def gather_named(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, A
     torch.optim keeps them."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
+    link_optimizer_state(zero, stage)
     base = zero.optimizer
     state: dict[str, dict[str, Any]] = {}
     groups = _groups(zero, stage)
@@ -129,11 +132,8 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
                         created = True
                 else:  # a per-group value: the same for every parameter of the shard
                     shard[key] = value.clone() if torch.is_tensor(value) else value
-    if created and stage != 3:
-        # ZeRO 1-2 link each parameter to views of its shard's state at the
-        # first step; new state tensors need the links made again.
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
+    if created:
+        link_optimizer_state(zero, stage)
     for g, params in enumerate(groups):
         for p in params:
             entry = saved.get(names[id(p)], {})
@@ -142,6 +142,26 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
                 value = entry[key]
                 if torch.is_tensor(value) and tuple(value.shape) == full_shape(p):
                     safe_set_full_optimizer_state(p, value.to(flat.device, flat.dtype), key)
+
+
+def link_optimizer_state(zero: Any, stage: int) -> None:
+    """Point every parameter's view of its optimizer state at the state of its
+    group's shard, for each group that has state (ZeRO 1-2).
+
+    DeepSpeed makes these links once, after the *first* group's first step
+    (``_lazy_init_hp_params_optimizer_state`` runs once), when the later
+    groups have no state yet: their parameters' views stay empty, and reading
+    them fails ("exp_avg not found in optimizer state fragment").  Linking
+    again (DeepSpeed's own function, on every group) reads the state the
+    groups have now.  ZeRO-3 reads the shards directly."""
+    if stage == 3:
+        return
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    state = zero.optimizer.state
+    for lp_params, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+        if flat in state:
+            lazy_init_hp_params_optimizer_state(lp_params, flat, state)
 
 
 def gather_indexed(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, Any]:
@@ -170,7 +190,7 @@ class GradSlice:
         return self.grad.numel() == full_numel(self.param)
 
 
-def full_numel(param: nn.Parameter) -> int:
+def full_numel(param: torch.Tensor) -> int:
     """A parameter's whole number of elements, also under ZeRO-3."""
     return int(getattr(param, "ds_numel", param.numel()))
 
@@ -218,7 +238,7 @@ def _averaged(zero: Any, group: int) -> list[torch.Tensor]:
 
 def global_grad_norm(
     slices: Sequence[GradSlice],
-    params: Sequence[nn.Parameter],
+    params: Sequence[torch.Tensor],
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     *,
     exact: bool,
@@ -265,6 +285,24 @@ def global_grad_norm(
         whole = [flat.narrow(0, starts[i], n) for i, n in zip(split, sizes)]
         per_param[split] = torch.stack(torch._foreach_norm(whole, 2.0)).to(dtype)
     return torch.linalg.vector_norm(per_param, 2.0)
+
+
+def whole_gradients(
+    slices: Sequence[GradSlice], params: Sequence[nn.Parameter], all_reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Each parameter's whole averaged gradient (float32, on the CPU, in the
+    order of ``params``), put together from every rank's slices: each element
+    is held by one rank and the others add zeros, so the sum is exact.  A
+    collective: every rank calls it."""
+    sizes = [full_numel(p) for p in params]
+    starts = dict(zip((id(p) for p in params), itertools.accumulate([0, *sizes[:-1]])))
+    device = slices[0].grad.device if slices else (params[0].device if params else torch.device("cpu"))
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    for s in slices:
+        if id(s.param) in starts:
+            flat.narrow(0, starts[id(s.param)] + s.offset, s.grad.numel()).copy_(s.grad.reshape(-1))
+    flat = all_reduce(flat).cpu()
+    return [(p, flat.narrow(0, starts[id(p)], n).reshape(full_shape(p)).clone()) for p, n in zip(params, sizes)]
 
 
 def clip_(slices: Sequence[GradSlice], max_norm: float, norm: torch.Tensor) -> None:

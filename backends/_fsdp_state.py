@@ -14,16 +14,19 @@ Not a backend (the leading underscore): the registry names its modules explicitl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallelx import state as pure
 from parallelx.errors import ParallelxError
+from parallelx.stateio import keyed_like, named_parameters, plain_key, plain_keys
 
 
 def full(value: Any) -> Any:
@@ -55,18 +58,34 @@ def like(whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 
 
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole ``state_dict`` (plain names: ``fully_shard`` adds no prefix) on the CPU, on every rank."""
-    return {k: full(v) for k, v in module.state_dict().items()}
+    """The whole ``state_dict`` (plain names: ``fully_shard`` adds no prefix) on the CPU, on every rank.
+
+    One tensor at a time (``DTensor.full_tensor``): ``get_model_state_dict``'s
+    full state dict is either on rank 0 alone (``cpu_offload``) or whole on
+    every rank's device at once, and this is the whole state on every rank
+    with at most one whole tensor on a device."""
+    return {plain_key(k): full(v) for k, v in module.state_dict().items()}
 
 
 def load_model_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load a whole state dict: each rank keeps its slice of every parameter."""
-    live = module.state_dict()
-    module.load_state_dict({k: like(v, live[k]) if k in live and torch.is_tensor(v) else v for k, v in state.items()})
+    """Load a whole state dict (plain names, on every rank): each rank keeps its slice of every parameter."""
+    check_shapes(module, state)
+    set_model_state_dict(module, keyed_like(state, module), options=StateDictOptions(full_state_dict=True))
+
+
+def check_shapes(module: nn.Module, state: Mapping[str, Any]) -> None:
+    """One clear error for a state of another model (torch's lists every mismatch over many lines)."""
+    live = plain_keys(module.state_dict())
+    for k, v in state.items():
+        if k in live and torch.is_tensor(v) and tuple(v.shape) != tuple(live[k].shape):
+            raise ParallelxError(
+                f"fsdp: the saved {k} has shape {tuple(v.shape)}, the model's {tuple(live[k].shape)}; "
+                "the checkpoint is of another model"
+            )
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters()}
+    return named_parameters(module)
 
 
 def named_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, whole: bool) -> dict[str, Any]:
@@ -94,18 +113,22 @@ def named_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, whole: b
 
 def load_named_state(module: nn.Module, optimizer: torch.optim.Optimizer, named: Mapping[str, Any]) -> None:
     """Load a state keyed by name (whole tensors, or shards already laid out): each rank keeps its slices."""
-    params = dict(module.named_parameters())
-    state = {}
+    pure.check_named_groups(named, [[param_names(module)[id(p)] for p in g["params"]] for g in optimizer.param_groups])
+    params = {plain_key(n): p for n, p in module.named_parameters()}
     for name, entry in named["state"].items():
         p = params.get(name)
-        state[name] = {
-            k: like(v, p) if p is not None and torch.is_tensor(v) and v.dim() > 0 else v for k, v in entry.items()
-        }
-    pure.load_named_optimizer_state(optimizer, param_names(module), {**named, "state": state})
+        for k, v in entry.items():
+            if p is not None and torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != tuple(p.shape):
+                raise ParallelxError(
+                    f"fsdp: the saved optimizer state {k} of {name} has shape {tuple(v.shape)}, the "
+                    f"parameter {tuple(p.shape)}; the checkpoint is of another model"
+                )
+    whole = not any(isinstance(v, DTensor) for entry in named["state"].values() for v in entry.values())
+    set_optimizer_state_dict(module, optimizer, dict(named), options=StateDictOptions(full_state_dict=whole))
 
 
 def grad_norm(
-    optimizer: torch.optim.Optimizer, *, exact: bool, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    params: Sequence[torch.Tensor], *, exact: bool, all_reduce: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient as ``torch.nn.utils.get_total_norm``
     takes it on one process (each parameter's norm, then the norm of those), the
@@ -113,7 +136,7 @@ def grad_norm(
     first (one at a time), so its norm is torch's to the bit: it then scales the
     update.  Without, the root of the shards' summed squares (float64), which
     differs from torch's in the order of additions only."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     if exact:
@@ -127,22 +150,21 @@ def grad_norm(
     return torch.linalg.vector_norm(summed.sqrt().to(grads[0].dtype), 2.0)
 
 
-def clip_(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Tensor) -> None:
+def clip_(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Scale each rank's slices by ``max_norm / (norm + 1e-6)`` when that is below 1,
     multiplied in as ``torch.nn.utils.clip_grads_with_norm_`` does."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    local.mul_(coef.to(local.device))
+        for p in params:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.mul_(coef.to(local.device))
 
 
 # ------------------------------------------------------------- sharded checkpoints
 def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's shards by name, for ``torch.distributed.checkpoint``: nothing is gathered."""
-    return {"model": dict(module.state_dict()), "optimizer": named_state(module, optimizer, whole=False)}
+    return {"model": plain_keys(module.state_dict()), "optimizer": named_state(module, optimizer, whole=False)}
 
 
 def load_sharded_state(
@@ -168,13 +190,15 @@ def load_sharded_state(
                 f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
                 "which this model does not have"
             )
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ParallelxError(f"fsdp: the sharded checkpoint {directory} holds {key} as bytes, not a tensor")
         dtype = meta.properties.dtype
         if tuple(meta.size) == tuple(p.shape):
             template.setdefault(name, {})[field] = torch.zeros_like(p, dtype=dtype)
         else:
             template.setdefault(name, {})[field] = torch.zeros(tuple(meta.size), dtype=dtype)
-    model_sd = dict(module.state_dict())
+    model_sd = plain_keys(module.state_dict())
     target = {"model": model_sd, "optimizer": {"state": template}}
     dcp.load(target, checkpoint_id=str(directory))
-    module.load_state_dict(model_sd)
+    set_model_state_dict(module, keyed_like(model_sd, module), options=StateDictOptions(full_state_dict=False))
     load_named_state(module, optimizer, {"state": template, "param_groups": param_groups})

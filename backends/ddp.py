@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from parallelx.gradsync import GradientSync, Models
 from parallelx.launch import Launcher
 from parallelx.process_group import ProcessGroupBackend
 
@@ -28,6 +29,22 @@ TORCHRUN = Launcher(
     local_opts="--master-addr 127.0.0.1 --master-port {port}",
     local_env={"GLOO_SOCKET_IFNAME": "lo"},
 )
+
+
+class DDPSync(GradientSync):
+    """DDP averages in its autograd hooks; inside a window its ``no_sync`` keeps gradients local."""
+
+    def __init__(self, models: Models, wrapped: list[DistributedDataParallel]) -> None:
+        super().__init__(models)
+        self.wrapped = wrapped
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        # DDP decides in the forward whether the backward all-reduces: no_sync
+        # must be entered before the forward, which Backend.batches does.
+        stack = contextlib.ExitStack()
+        for model in self.wrapped:
+            stack.enter_context(model.no_sync())
+        return stack
 
 
 class DDPBackend(ProcessGroupBackend):
@@ -46,6 +63,7 @@ class DDPBackend(ProcessGroupBackend):
     def _init(self) -> None:
         self._join_rendezvous()
         self._models: list[DistributedDataParallel] = []
+        self.grad_sync = DDPSync(self._set_up_modules, self._models)
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -60,11 +78,3 @@ class DDPBackend(ProcessGroupBackend):
             wrapped.register_comm_hook(None, hook)
         self._models.append(wrapped)
         return wrapped
-
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        # DDP decides in the forward whether the backward all-reduces: no_sync
-        # must be entered before the forward, which Backend.batches does.
-        stack = contextlib.ExitStack()
-        for model in self._models:
-            stack.enter_context(model.no_sync())
-        return stack

@@ -32,15 +32,26 @@ import contextlib
 import datetime as _dt
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from parallelx.backends import _deepspeed_zero as zero_state
-from parallelx.backends._deepspeed_config import (  # noqa: F401
+from parallelx.collectives import Collectives
+from parallelx.errors import BackendUnavailableError, ParallelxError
+from parallelx.gradsync import GradientSync, Models, model_order, owner_names
+from parallelx.launch import Launcher
+from parallelx.lockstep import ForwardLockstep
+from parallelx.log import warn
+from parallelx.precision import EnginePrecision, Precision
+from parallelx.process_group import ProcessGroupBackend
+from parallelx.stateio import StateIO, Unwrap, keyed_like
+
+from . import _deepspeed_zero as zero_state
+from ._deepspeed_config import (  # noqa: F401
     PLAIN_MATH,
     adopt_config,
     build_config,
@@ -48,12 +59,7 @@ from parallelx.backends._deepspeed_config import (  # noqa: F401
     math_changes,
     read_config,
 )
-from parallelx.backends._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
-from parallelx.errors import BackendUnavailableError, ParallelxError
-from parallelx.launch import Launcher
-from parallelx.log import warn
-from parallelx.precision import EnginePrecision, Precision
-from parallelx.process_group import ProcessGroupBackend
+from ._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
@@ -66,6 +72,11 @@ def remove_shm_buffers(port: str | int | None, addr: str | None = "*", rank: int
     a crashed or killed rank cannot clean up after itself."""
     for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
         path.unlink(missing_ok=True)  # mappings stay valid until the process exits
+
+
+def extensions_dir() -> Path:
+    """Where this environment keeps DeepSpeed's JIT-built ops: beside its packages."""
+    return Path(sys.prefix) / "torch_extensions"
 
 
 DEEPSPEED = Launcher(
@@ -90,6 +101,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
     requires_module = "deepspeed"
     # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
     needs_watchdog = True
+    # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
+    precision_class = EnginePrecision
+    offloads = True
     install_hint = INSTALL_HINT
     probe_code = (
         "import deepspeed; from deepspeed.accelerator import get_accelerator; "
@@ -115,12 +129,21 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 f"deepspeed: gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
             )
         user = read_config(config)
+        if self.cpu_offload:
+            if (zero_stage or 0) < 1 and int(user.get("zero_optimization", {}).get("stage", 0)) < 1:
+                raise ParallelxError("deepspeed: --cpu-offload moves ZeRO's optimizer state: give --zero-stage 1 to 3")
+            # The optimizer's state and step on the CPU, with the user's torch optimizer (not DeepSpeed's own
+            # CPU Adam, which would change the math).
+            zero = user.setdefault("zero_optimization", {})
+            zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+            user.setdefault("zero_force_ds_cpu_optimizer", False)
         self.math_changes = math_changes(user)
         self.options = adopt_config(self.options, user, gradient_accumulation_steps)
         self._config_inputs = (user, zero_stage, micro_batch_size)
         self.config = build_config(user, zero_stage, micro_batch_size, self.options)
         self._models: list[DeepSpeedModel] = []
         self._warn_rounding()
+        self.state_io = DeepSpeedStateIO(self.unwrap, self.zero_stage, self._models)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -158,13 +181,20 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
 
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return {"zero_stage": self.zero_stage}
-
     def _init(self) -> None:
         if self.device_request != "auto":
             # DeepSpeed picks its accelerator at import; this makes it the one asked for.
             os.environ["DS_ACCELERATOR"] = self.device_request
+        # DeepSpeed JIT-builds its ops (the CPU communication op: minutes on 2 cores) under
+        # TORCH_EXTENSIONS_DIR, by default ~/.cache: one place per environment instead, where
+        # the set-up builds them once and every launch, with or without the Makefile, finds them.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+        # torch builds them with the first `ninja` on PATH, and two ninja versions (this environment's,
+        # the system's) hash the same command differently: each would see the other's build as stale
+        # and build again.  This environment's ninja, when it has one, always.
+        own_bin = Path(sys.prefix) / "bin"
+        if (own_bin / "ninja").is_file() and not os.environ.get("PATH", "").startswith(str(own_bin)):
+            os.environ["PATH"] = f"{own_bin}{os.pathsep}{os.environ.get('PATH', '')}"
         try:
             import deepspeed
             from deepspeed.accelerator import get_accelerator
@@ -181,6 +211,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
             dist_backend=self._dist_backend(), verbose=False, timeout=_dt.timedelta(seconds=self.timeout_s)
         )
         self._read_world()
+        self._lockstep: ForwardLockstep | None = None
+        self.grad_sync = DeepSpeedSync(self._set_up_modules, self.comm, self.config, self._models)
         if self.math_changes:
             warn(
                 f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
@@ -189,7 +221,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
     def _shutdown(self, *, failed: bool) -> None:
         if not failed:
-            self.barrier()  # every rank is done with the buffers
+            self.comm.barrier()  # every rank is done with the buffers
         remove_shm_buffers(os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR"), self.rank)
         super()._shutdown(failed=failed)
 
@@ -199,9 +231,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
         (or, for evaluation only, by the first forward)."""
         if isinstance(model, DeepSpeedModel):
             raise ParallelxError("deepspeed: this model is already wrapped")
-        wrapped = DeepSpeedModel(self, model)
+        lockstep = None
+        if self.zero_stage == 3 and self.world_size > 1:  # ZeRO-3's forward gathers the parameters: a collective
+            if self._lockstep is None:
+                self._lockstep = ForwardLockstep("deepspeed ZeRO-3", self.rank, self.timeout_s)
+            lockstep = self._lockstep
+        wrapped = DeepSpeedModel(model, self._build, self._watch, lockstep)
         self._models.append(wrapped)
         return wrapped
+
+    def _compile(self, wrapped: nn.Module) -> None:
+        pass  # the engine compiles itself once it is built (_build)
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(optimizer, DeepSpeedOptimizer):
@@ -210,9 +250,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         owners = [m for m in self._models if wanted <= {id(p) for p in m.module.parameters()}]
         if not owners:
             raise ParallelxError(
-                "deepspeed: this optimizer's parameters belong to no model passed to wrap_model; "
-                "call `model = backend.wrap_model(model)` first, and build the optimizer on "
-                "model.parameters()"
+                "deepspeed: DeepSpeed builds one engine per model and optimizer, and this optimizer's "
+                "parameters belong to several models; give each model its own optimizer"
             )
         owner = owners[-1]
         if owner.engine is not None:
@@ -221,12 +260,25 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
                 "after wrap_model, or use backend.setup(model, optimizer)"
             )
-        return self._build(owner, optimizer)
+        built = self._build(owner, optimizer)
+        assert built is not None  # an optimizer was given
+        return built
 
     def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
+        """Build ``wrapped``'s engine, with ``optimizer`` or for inference only (no optimizer)."""
         # Taken before ZeRO swaps the groups' parameters for its flat partitions.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad] if optimizer else []
+        scalars = [n for n, p in wrapped.module.named_parameters() if p.dim() == 0]
+        if scalars:
+            # DeepSpeed broadcasts every parameter viewed as bytes (`p.data.view(torch.uint8)`, in the
+            # engine and in ZeRO-3's partitioning), which a 0-dim tensor cannot be: it raises inside.
+            raise ParallelxError(
+                f"deepspeed: DeepSpeed cannot set up 0-dim parameters ({', '.join(scalars[:3])}); make each a "
+                "1-element tensor, e.g. nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
+            )
         engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=self.config)
+        if self.compile_options.enabled:
+            engine.compile(compile_kwargs=self.compile_options.kwargs)
         object.__setattr__(wrapped, "engine", engine)
         object.__setattr__(wrapped, "trains", optimizer is not None)
         engine.train(wrapped.training)
@@ -235,6 +287,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
     # ------------------------------------------------------ the training loop
     def _options_changed(self) -> None:
         self.config = build_config(*self._config_inputs, self.options)
+        if isinstance(self.grad_sync, DeepSpeedSync):
+            self.grad_sync.config = self.config
         self._warn_rounding()
 
     def _warn_rounding(self) -> None:
@@ -251,22 +305,41 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "window's sum once) by that rounding"
             )
 
-    def _make_precision(self) -> Precision:
-        # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
-        return EnginePrecision(self.options.precision, self.device if self.initialized else None)
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DeepSpeedModel) else super().unwrap(model)
 
-    def _backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
-        engine = self._engine_for(loss, model)
+
+class DeepSpeedSync(GradientSync):
+    """DeepSpeed's engine: its backward (with parallelx's accumulation
+    boundary), its step, and ZeRO 1-3 gradients clipped as torch clips them."""
+
+    def __init__(self, models: Models, comm: Collectives, config: dict[str, Any], wrapped: list[DeepSpeedModel]):
+        super().__init__(models)
+        self.comm = comm
+        self.config = config
+        self.wrapped = wrapped
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config["zero_optimization"]["stage"])
+
+    def backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
+        engine = self.engine_for(loss, model)
         # parallelx marks the boundary (a shorter last window included) and has
         # already divided the loss by the window's length: DeepSpeed must not again.
         engine.set_gradient_accumulation_boundary(boundary)
-        engine.backward(loss, scale_wrt_gas=False)
+        # The engine hooks its forward's outputs to divide their gradients by the accumulation steps in
+        # a backward that is not its own, and tells its own by a hook on the tensor it is given, which
+        # runs after the output's hook when that tensor *is* an output (a model that returns its loss,
+        # in a window of one micro-batch): the loss then lost a factor of the window's steps.  A new
+        # tensor (exactly equal) carries the engine's hook instead, which runs first.
+        engine.backward(loss * 1.0, scale_wrt_gas=False)
 
-    def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         if engine_clips(self.config):
             return None  # the engine clips inside its step (gradient_clipping in the config)
         if self.zero_stage == 0:
-            return super()._clip_gradients(optimizer, max_norm)
+            return super().clip(optimizer, max_norm)
         # ZeRO 1-3: the engine's own clipping takes the norm in float64 and
         # divides by (norm + 1e-6) / max_norm; one process (and ddp, horovod,
         # ZeRO 0) takes it in the gradients' float32 and multiplies by
@@ -277,32 +350,40 @@ class DeepSpeedBackend(ProcessGroupBackend):
         # reports that norm (clipping or not) on every rank.  When it clips,
         # the norm is torch's to the bit (split parameters are put together),
         # since it then scales the update.
-        slices = zero_state.reduced_gradients(optimizer.optimizer, self.zero_stage)  # type: ignore[attr-defined]
+        ds = cast(DeepSpeedOptimizer, optimizer)
+        slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
+        params = model_order(ds.trained_params, self.models())
         norm = zero_state.global_grad_norm(
-            slices,
-            optimizer.trained_params,  # type: ignore[attr-defined]
-            lambda t: self.all_reduce(t, "sum"),
-            exact=max_norm is not None,
+            slices, params, lambda t: self.comm.all_reduce(t, "sum"), exact=max_norm is not None
         )
         if max_norm is not None:
             zero_state.clip_(slices, max_norm, norm)
         return norm
 
-    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        engine = optimizer.engine  # type: ignore[attr-defined]
+    def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+        engine = cast(DeepSpeedOptimizer, optimizer).engine
         before = engine.skipped_steps
         optimizer.step()
-        return bool(engine.skipped_steps > before)  # float16 overflow: skipped on every rank together
+        return not engine.skipped_steps > before  # float16 overflow: skipped on every rank together
 
-    def _stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        norm = optimizer.engine.get_global_grad_norm()  # type: ignore[attr-defined]
+    def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        norm = cast(DeepSpeedOptimizer, optimizer).engine.get_global_grad_norm()
         return torch.tensor(float("nan") if norm is None else float(norm))
 
-    def _engine_for(self, loss: torch.Tensor, model: nn.Module | None) -> Any:
+    def averaged_gradients(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 0:
+            return super().averaged_gradients(optimizer)
+        ds = cast(DeepSpeedOptimizer, optimizer)
+        names = owner_names(ds.trained_params, self.models())
+        slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
+        whole = zero_state.whole_gradients(slices, ds.trained_params, lambda t: self.comm.all_reduce(t, "sum"))
+        return {names.get(id(p), f"param{i}"): g for i, (p, g) in enumerate(whole)}
+
+    def engine_for(self, loss: torch.Tensor, model: nn.Module | None) -> Any:
         """The engine whose backward ``loss`` needs: the named model's, the only
         trained one's, or the one whose parameters the loss depends on."""
         if model is not None:
-            for m in self._models:
+            for m in self.wrapped:
                 if model is m or model is m.engine or model is m.module:
                     if not m.trains:
                         raise ParallelxError(
@@ -311,7 +392,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
                         )
                     return m.engine
             raise ParallelxError("deepspeed: backward(loss, model=...) names a model not set up by this backend")
-        trained = [m for m in self._models if m.trains]
+        trained = [m for m in self.wrapped if m.trains]
         if len(trained) == 1:
             return trained[0].engine
         if not trained:
@@ -329,23 +410,60 @@ class DeepSpeedBackend(ProcessGroupBackend):
             "of them; say which one it trains: backend.backward(loss, model=model)"
         )
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DeepSpeedModel) else super().unwrap(model)
 
-    # ------------------------------------------------------------ checkpoints
+class DeepSpeedStateIO(StateIO):
+    """Whole state from ZeRO's shards (a collective), in ``torch.optim``'s
+    layout whatever the stage and world size, and scattered back into them."""
+
+    def __init__(self, unwrap: Unwrap, zero_stage: int, wrapped: list[DeepSpeedModel]) -> None:
+        super().__init__(unwrap)
+        self.zero_stage = zero_stage
+        self.wrapped = wrapped
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"zero_stage": self.zero_stage}
+
     @contextlib.contextmanager
-    def _gathered(self, module: nn.Module) -> Iterator[None]:
+    def gathered(self, module: nn.Module) -> Iterator[None]:
         """Under ZeRO-3 each rank holds a slice of every parameter: gather them
         (a collective) for the duration of the block."""
         if self.zero_stage == 3:
-            with self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 yield
         else:
             yield
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        with self._gathered(self.unwrap(model)):
+        with self.gathered(self.unwrap(model)):
             return super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        module = self.unwrap(model)
+        state = keyed_like(state, module)
+        if self.zero_stage == 3:
+            import deepspeed
+
+            # Checked on every rank first: a mismatch raised on rank 0 alone
+            # would leave the others waiting in the gather.
+            zero_state.check_shapes(module, state)
+            # Every rank loads the full tensors into the gathered parameters; DeepSpeed re-partitions them on exit.
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    module.load_state_dict(state)
+            # Only the parameters are re-partitioned from rank 0: every rank
+            # loads the buffers (BatchNorm's statistics) itself.
+            with torch.no_grad():
+                for name, buf in module.named_buffers():
+                    if name in state:
+                        buf.copy_(state[name])
+        else:
+            module.load_state_dict(state)
+        if self.zero_stage >= 1 and isinstance(model, DeepSpeedModel) and model.trains:
+            # ZeRO steps its fp32 master copies and copies them back into the
+            # weights: the masters must hold the loaded values too.
+            zero_state.set_fp32_masters(model.engine.optimizer, self.zero_stage, module, state)
 
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
         if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
@@ -354,6 +472,15 @@ class DeepSpeedBackend(ProcessGroupBackend):
         return zero_state.gather_indexed(
             optimizer.optimizer, self.zero_stage, zero_state.param_names(optimizer.engine.module)
         )
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: Mapping[str, Any]) -> None:
+        if self.zero_stage == 0:
+            optimizer.load_state_dict(state)
+        else:
+            # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
+            zero_state.scatter_indexed(
+                optimizer.optimizer, self.zero_stage, zero_state.param_names(optimizer.engine.module), state
+            )
 
     def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         if self.zero_stage == 0:
@@ -364,7 +491,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             )
         # The engine's own step counters ride along; a plain optimizer ignores them.
         engine = optimizer.engine
-        named["engine_counters"] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS}
+        named["engine_counters"] = {k: int(getattr(engine, k)) for k in ENGINE_COUNTERS}
         # So does the fp16 engine's running loss scale (16-mixed): the other
         # backends' GradScaler is saved beside the optimizer, DeepSpeed's lives in it.
         scale = zero_state.loss_scale_state(optimizer.optimizer)
@@ -381,41 +508,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
             )
         counters = state.get("engine_counters")
         if counters is not None:
-            for k in _ENGINE_COUNTERS:
+            for k in ENGINE_COUNTERS:
                 setattr(optimizer.engine, k, int(counters[k]))
         zero_state.load_loss_scale_state(optimizer.optimizer, state.get("loss_scale"))
 
-    def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
-        if isinstance(target, nn.Module):
-            module = self.unwrap(target)
-            if self.zero_stage == 3:
-                # Checked on every rank first: a mismatch raised on rank 0 alone
-                # would leave the others waiting in the gather.
-                zero_state.check_shapes(module, state)
-                # Rank 0 loads the full tensors; DeepSpeed re-partitions them on exit.
-                with self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                    if self.is_main():
-                        module.load_state_dict(state)
-                # Only the parameters are re-partitioned from rank 0: every rank
-                # loads the buffers (BatchNorm's statistics) itself.
-                with torch.no_grad():
-                    for name, buf in module.named_buffers():
-                        if name in state:
-                            buf.copy_(state[name])
-            else:
-                module.load_state_dict(state)
-            if self.zero_stage >= 1 and isinstance(target, DeepSpeedModel) and target.trains:
-                # ZeRO steps its fp32 master copies and copies them back into the
-                # weights: the masters must hold the loaded values too.
-                zero_state.set_fp32_masters(module, state)
-        elif self.zero_stage == 0:
-            target.load_state_dict(state)
-        else:
-            # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
-            zero_state.scatter_indexed(
-                target.optimizer, self.zero_stage, zero_state.param_names(target.engine.module), state
-            )
-
 
 #: DeepSpeed engine counters that a training-state checkpoint restores.
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")

@@ -12,13 +12,16 @@ mesh of the whole world (without one FSDP2 builds it on the accelerator, which
 breaks a Gloo group on a GPU machine).  ``--backend auto`` never picks it:
 sharding is chosen.
 
-Which modules are sharded (``shard=``): by default each child module holding
-a large share of the parameters (:func:`default_units`), then the root, which
-takes the rest; or a callable ``module -> bool``, or a list of module types
-(``--fsdp-shard Linear,Conv2d`` on the command line).  The loop's options map
+Which modules are sharded (``shard=``): by default each block holding a large
+share of the parameters (:func:`parallelx.units.default_units`: never a
+container without ``forward``, never a module whose weight is tied outside
+it), then the root, which takes the rest; or a callable ``module -> bool``,
+or module classes, as types or by name (``--fsdp-shard Block`` or
+``--fsdp-shard Linear,Conv2d`` on the command line).  The loop's options map
 onto FSDP2 as: accumulation -> ``set_requires_gradient_sync(False)`` inside a
 window; clipping -> the global norm taken as one process takes it
-(``_fsdp_state.grad_norm``); ``bf16-mixed`` -> autocast over float32 FSDP2
+(``_fsdp_state.grad_norm``); ``16-mixed`` -> torch's ``ShardedGradScaler``,
+whose skip decision all ranks share; ``bf16-mixed`` -> autocast over float32 FSDP2
 (FSDP2's own ``MixedPrecisionPolicy`` casts the weights, which changes the
 numbers); ``--grad-compression`` -> ``MixedPrecisionPolicy(reduce_dtype=...)``.
 
@@ -32,64 +35,143 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from parallelx.backends import _fsdp_state as fsdp_state
-from parallelx.backends.ddp import TORCHRUN
+from parallelx.collectives import Collectives
+from parallelx.compiling import compile_in_place
 from parallelx.errors import ParallelxError
+from parallelx.gradsync import GradientSync, Models, model_order, optimizer_params, owner_names
+from parallelx.lockstep import ForwardLockstep
+from parallelx.precision import Precision
 from parallelx.process_group import ProcessGroupBackend
 from parallelx.state import named_from_indexed
+from parallelx.stateio import StateIO, Unwrap
+from parallelx.units import UnitPolicy, parse_names, select_units
 
-#: What ``shard=`` accepts: a predicate on modules, or module types.
-ShardPolicy = Callable[[nn.Module], bool] | Sequence[type[nn.Module]] | None
+from . import _fsdp_state as fsdp_state
+from .ddp import TORCHRUN
 
-#: A child module is a unit of its own when it holds at least this share of the parameters.
-LARGE_SHARE = 0.1
-
-
-def default_units(model: nn.Module, share: float = LARGE_SHARE) -> list[nn.Module]:
-    """The modules to shard before the root, innermost first: each submodule
-    that holds at least ``share`` of the model's parameters not already in a
-    unit below it.  The root then takes what is left."""
-    total = sum(p.numel() for p in model.parameters())
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if module is model:
-            return
-        left = sum(p.numel() for p in module.parameters() if id(p) not in taken)
-        if total and left >= share * total:
-            units.append(module)
-            taken.update(id(p) for p in module.parameters())
-
-    visit(model)
-    return units
+#: What ``shard=`` accepts (see :mod:`parallelx.units`).
+ShardPolicy = UnitPolicy
 
 
-def parse_shard(text: str | None) -> list[type[nn.Module]] | None:
-    """``--fsdp-shard``: ``auto`` (the default units) or comma-separated names of ``torch.nn`` module types."""
-    if text is None or text == "auto":
-        return None
-    types = []
-    for name in (t.strip() for t in text.split(",") if t.strip()):
-        cls = getattr(nn, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ParallelxError(
-                f"fsdp: --fsdp-shard names {name!r}, which is not a torch.nn module type; "
-                "give names such as Linear,Conv2d (or auto)"
-            )
-        types.append(cls)
-    return types
+class ShardedPrecision(Precision):
+    """Under ``16-mixed`` each rank checks only its slices for inf/nan:
+    torch's ``ShardedGradScaler`` all-reduces that finding, so that every rank
+    skips the same steps."""
+
+    def _make_scaler(self) -> torch.amp.GradScaler | None:
+        if self.name != "16-mixed":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.device.type)
+
+
+class FSDPSync(GradientSync):
+    """FSDP2 reduce-scatters in its backward hooks; inside a window it keeps whole local gradients."""
+
+    def __init__(self, models: Models, comm: Collectives, sharded: list[FSDPModule]) -> None:
+        super().__init__(models)
+        self.comm = comm
+        self.sharded = sharded
+        #: False inside a window: gradients stay local.
+        self.syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # Gradients stay whole and local inside a window; the last micro-batch reduce-scatters their sum.
+        for m in self.sharded:
+            m.set_requires_gradient_sync(False)
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+            for m in self.sharded:
+                m.set_requires_gradient_sync(True)
+
+    def average_replicated(self, param: torch.Tensor) -> None:
+        """A gradient hook for a parameter FSDP2 keeps whole on every rank (a
+        scalar): averaged over the ranks in the backward, as DDP does, outside
+        a window's no-sync."""
+        if self.syncing and param.grad is not None and self.comm.world_size > 1:
+            param.grad.copy_(self.comm.all_reduce(param.grad, "mean"))
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
+        # When it clips the norm scales the update: each parameter's whole gradient norm, as torch's to the bit.
+        params = model_order(optimizer_params(optimizer), self.models())
+        norm = fsdp_state.grad_norm(
+            params, exact=max_norm is not None, all_reduce=lambda t: self.comm.all_reduce(t, "sum")
+        )
+        if max_norm is not None:
+            fsdp_state.clip_(params, max_norm, norm)
+        return norm
+
+    def averaged_gradients(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        names = owner_names(optimizer_params(optimizer), self.models())
+        return {
+            names.get(id(p), f"param{i}"): fsdp_state.full(p.grad).float()
+            for i, p in enumerate(optimizer_params(optimizer))
+            if p.grad is not None
+        }
+
+
+class FSDPStateIO(StateIO):
+    """Whole state put together from the shards, and cut back into them
+    (``torch.distributed.checkpoint.state_dict``), or the shards as they are
+    for sharded checkpoints."""
+
+    def __init__(self, unwrap: Unwrap, models: Models, sharded_checkpoints: bool) -> None:
+        super().__init__(unwrap)
+        self.models = models
+        self.sharded_checkpoints = sharded_checkpoints
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return fsdp_state.model_state(self.unwrap(model))
+
+    def load_model_state_dict(self, model: nn.Module, state: Any) -> None:
+        fsdp_state.load_model_state(self.unwrap(model), state)
+
+    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
+        return fsdp_state.full(optimizer.state_dict())
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: Any) -> None:
+        # A plain torch.optim state (positions, in group order), as optimizer_state_dict gives.
+        module = self._owner(optimizer)
+        names = fsdp_state.param_names(module)
+        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        fsdp_state.load_named_state(module, optimizer, named_from_indexed(state, groups))
+
+    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        return fsdp_state.named_state(self.unwrap(model), optimizer, whole=True)
+
+    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Any) -> None:
+        fsdp_state.load_named_state(self.unwrap(model), optimizer, state)
+
+    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
+    ) -> bool:
+        fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, param_groups)
+        return True
+
+    def _owner(self, optimizer: Any) -> nn.Module:
+        wanted = {id(p) for p in optimizer_params(optimizer)}
+        for module in self.models():
+            if wanted & {id(p) for p in module.parameters()}:
+                return module
+        raise ParallelxError("fsdp: this optimizer trains no model set up by this backend")
 
 
 class FSDPBackend(ProcessGroupBackend):
@@ -100,6 +182,8 @@ class FSDPBackend(ProcessGroupBackend):
         "import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
         "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
     )
+    precision_class = ShardedPrecision
+    offloads = True
 
     # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
     environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
@@ -115,11 +199,12 @@ class FSDPBackend(ProcessGroupBackend):
         super().__init__(**kwargs)
         if shard is not None and not callable(shard):
             shard = tuple(shard)
-            if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in shard):
-                raise ParallelxError(f"fsdp: shard= takes a callable or module types, got {shard!r}")
+            if not all(isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module)) for t in shard):
+                raise ParallelxError(f"fsdp: shard= takes a callable, module types or class names, got {shard!r}")
         self.shard = shard
         self.reshard_after_forward = bool(reshard_after_forward)
         self.sharded_checkpoints = bool(sharded_checkpoints)
+        self.state_io = FSDPStateIO(self.unwrap, self._set_up_modules, self.sharded_checkpoints)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -127,10 +212,10 @@ class FSDPBackend(ProcessGroupBackend):
         group.add_argument(
             "--fsdp-shard",
             default=None,
-            metavar="TYPES",
-            help="modules sharded as units before the root: auto (each child holding 10%% or more "
-            "of the parameters) or torch.nn type names, e.g. Linear,Conv2d (default: auto)"
-            "%(default).0s",
+            metavar="CLASSES",
+            help="modules sharded as units before the root: auto (the blocks holding 10%% or more of the "
+            "parameters; never a container without forward or a weight tied outside it) or class names of "
+            "the model's modules, e.g. Block or Linear,Conv2d (default: auto)%(default).0s",
         )
         group.add_argument(
             "--fsdp-no-reshard-after-forward",
@@ -149,7 +234,7 @@ class FSDPBackend(ProcessGroupBackend):
     def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         options = super().options_from_args(args)
         options.update(
-            shard=parse_shard(getattr(args, "fsdp_shard", None)),
+            shard=parse_names(getattr(args, "fsdp_shard", None)),
             reshard_after_forward=not getattr(args, "fsdp_no_reshard_after_forward", False),
             sharded_checkpoints=getattr(args, "fsdp_sharded_checkpoints", False),
         )
@@ -159,24 +244,22 @@ class FSDPBackend(ProcessGroupBackend):
         self._join_rendezvous()
         # Explicit, on this process's device type: never FSDP2's accelerator default.
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self._models: list[nn.Module] = []
+        self._models: list[FSDPModule] = []
         self._renamed: dict[int, tuple[nn.Module, str]] = {}
+        self._lockstep: ForwardLockstep | None = None
+        self._sync = FSDPSync(self._set_up_modules, self.comm, self._models)
+        self.grad_sync = self._sync
 
     # ------------------------------------------------------------ wrapping
-    def _units(self, model: nn.Module) -> list[nn.Module]:
-        if self.shard is None:
-            return default_units(model)
-        if callable(self.shard):
-            chosen = [m for m in model.modules() if m is not model and self.shard(m)]
-        else:
-            chosen = [m for m in model.modules() if m is not model and isinstance(m, tuple(self.shard))]
-        # Innermost first, as fully_shard wants them.
-        return [m for m in reversed(chosen) if any(True for _ in m.parameters())]
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules sharded as units of their own before the root, innermost first."""
+        return select_units(model, self.shard, who="fsdp")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, FSDPModule):
             raise ParallelxError("fsdp: this model is already sharded")
         model = model.to(self.device)
+        units = self.units(model)  # before any change: a wrong choice fails before the broadcasts
         # Rank 0's parameters and buffers on every rank, as DDP does at construction.
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -185,16 +268,38 @@ class FSDPBackend(ProcessGroupBackend):
         self._renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
         # The wire type is built in here: set_options(grad_compression=...) applies to models wrapped later.
         policy = MixedPrecisionPolicy(reduce_dtype=self.options.wire_dtype)  # None: the gradients' dtype
-        options = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        for unit in self._units(model):
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        self._models.append(model)
+        # fully_shard cannot split a scalar (CLIP's logit_scale): such parameters stay whole on every
+        # rank, and their gradients are averaged by a hook of parallelx's, in the backward, as DDP would.
+        scalars = {p for p in model.parameters() if p.dim() == 0}
+        for p in scalars:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._sync.average_replicated)
+        for module in [*units, model]:
+            if module is not model and self.compile_options.enabled:  # per block, between FSDP2's collectives
+                compile_in_place(module, self.compile_options)
+            sharded = fully_shard(
+                module,
+                mesh=self.mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=policy,
+                offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+                ignored_params=scalars or None,
+            )
+        if self.world_size > 1:
+            if self._lockstep is None:
+                self._lockstep = ForwardLockstep("fsdp", self.rank, self.timeout_s)
+            lockstep = self._lockstep
+            # Before FSDP2's own pre-forward (its gathers): a rank-0-only forward is one clear error, not a hang.
+            model.register_forward_pre_hook(lambda m, args: lockstep.check(m.training), prepend=True)
+        self._models.append(sharded)
         return model
+
+    def _compile(self, wrapped: nn.Module) -> None:
+        pass  # the units were compiled one by one before sharding (_wrap_model)
 
     def _broadcast_into(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
-            buf = tensor.detach().to(self._comm_device(tensor))
+            buf = tensor.detach().to(self.comm.comm_device(tensor))
             dist.broadcast(buf, src=0)
             tensor.copy_(buf)
 
@@ -204,17 +309,12 @@ class FSDPBackend(ProcessGroupBackend):
         for group in optimizer.param_groups:
             new = []
             for p in group["params"]:
-                if id(p) not in self._renamed:
-                    if any(p is q for m in self._models for q in m.parameters()):
-                        new.append(p)
-                        continue
-                    raise ParallelxError(
-                        "fsdp: this optimizer's parameters belong to no model passed to "
-                        "wrap_model; call `model = backend.wrap_model(model)` first"
-                    )
-                model, name = self._renamed.pop(id(p))
-                swapped[id(p)] = model.get_parameter(name)
-                new.append(swapped[id(p)])
+                if id(p) in self._renamed:
+                    model, name = self._renamed.pop(id(p))
+                    swapped[id(p)] = model.get_parameter(name)
+                    new.append(swapped[id(p)])
+                else:  # built on the sharded model already
+                    new.append(p)
             group["params"] = new
         for old_id, p in swapped.items():
             old = next((q for q in optimizer.state if id(q) == old_id), None)
@@ -223,80 +323,4 @@ class FSDPBackend(ProcessGroupBackend):
                     k: fsdp_state.like(v, p) if torch.is_tensor(v) and v.dim() else v
                     for k, v in optimizer.state.pop(old).items()
                 }
-        if self.world_size > 1:
-            # Backend.wrap_optimizer looked for the models by the parameters before the swap.
-            self._buffer_sync.attach([p for g in optimizer.param_groups for p in g["params"]], optimizer)
         return optimizer
-
-    # ------------------------------------------------------ the training loop
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        # Gradients stay whole and local inside a window; the last micro-batch reduce-scatters their sum.
-        @contextlib.contextmanager
-        def local() -> Any:
-            for m in self._models:
-                m.set_requires_gradient_sync(False)  # type: ignore[operator]
-            try:
-                yield
-            finally:
-                for m in self._models:
-                    m.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-        return local()
-
-    def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
-        # When it clips the norm scales the update: each parameter's whole gradient norm, as torch's to the bit.
-        norm = fsdp_state.grad_norm(
-            optimizer, exact=max_norm is not None, all_reduce=lambda t: self.all_reduce(t, "sum")
-        )
-        if max_norm is not None:
-            fsdp_state.clip_(optimizer, max_norm, norm)
-        return norm
-
-    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        scaler = self.precision.scaler
-        if scaler is not None:
-            # 16-mixed: each rank checked only its slices for inf/nan; skip on every rank together.
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            for device, flag in found.items():
-                found[device] = self.all_reduce(flag, "max")
-        return super()._apply_step(optimizer)
-
-    # ------------------------------------------------------------ checkpoints
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return fsdp_state.model_state(self.unwrap(model))
-
-    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
-        return fsdp_state.full(optimizer.state_dict())
-
-    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-        return fsdp_state.named_state(self.unwrap(model), optimizer, whole=True)
-
-    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Any) -> None:
-        fsdp_state.load_named_state(self.unwrap(model), optimizer, state)
-
-    def load_state_dict(self, target: nn.Module | Any, state: Any) -> None:
-        if isinstance(target, nn.Module):
-            fsdp_state.load_model_state(self.unwrap(target), state)
-            return
-        # A plain torch.optim state (positions, in group order), as optimizer_state_dict gives.
-        model = next(
-            (
-                m
-                for m in self._models
-                if any(p is q for g in target.param_groups for p in g["params"] for q in m.parameters())
-            ),
-            None,
-        )
-        if model is None:
-            raise ParallelxError("fsdp: this optimizer trains no model set up by this backend")
-        names = [[fsdp_state.param_names(model)[id(p)] for p in g["params"]] for g in target.param_groups]
-        fsdp_state.load_named_state(model, target, named_from_indexed(state, names))
-
-    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
-        return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
-
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Any, param_groups: list[dict[str, Any]]
-    ) -> bool:
-        fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, param_groups)
-        return True

@@ -15,17 +15,21 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from parallelx import network
 from parallelx.batchnorm import convert_batchnorm
+from parallelx.collectives import Collectives, Watch
+from parallelx.elastic import Elastic
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
+from parallelx.gradsync import GradientSync, parameter_names
 from parallelx.launch import Launcher
 from parallelx.log import warn
-from parallelx.loop import SINGLE, LoopOptions
+from parallelx.loop import LoopOptions
+from parallelx.precision import Precision
 from parallelx.protocol import Backend
 
 T = TypeVar("T")
@@ -148,6 +152,9 @@ class HorovodBackend(Backend):
             )
         self._device = self._pick_device(self._local_rank) if hvd.nccl_built() else torch.device("cpu")
         self._models: list[nn.Module] = []
+        self.comm = HorovodCollectives(hvd, self.device, self._watch)
+        self.grad_sync = HorovodSync(self._set_up_modules)
+        self.elastic = HorovodElastic(hvd, self._rejoined, self._watch)
 
     def _shutdown(self, *, failed: bool) -> None:
         # After a failure horovodrun stops the other ranks; a shutdown here could wait for them.
@@ -160,24 +167,12 @@ class HorovodBackend(Backend):
         self._models.append(model)
         return model
 
-    def _parameter_names(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) for every parameter of ``optimizer``, named after the wrapped model that owns it
-        (Horovod matches gradients across ranks by these names)."""
-        # Prefixed by the model's position after the first, so two models' names never collide.
-        names = {id(p): f"{i}.{n}" if i else n for i, m in enumerate(self._models) for n, p in m.named_parameters()}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        unknown = [p for p in params if id(p) not in names]
-        if unknown:
-            raise ParallelxError(
-                f"horovod: {len(unknown)} parameter(s) of this optimizer belong to no model passed "
-                "to wrap_model; call wrap_model(model) first, and build the optimizer on "
-                "model.parameters()"
-            )
-        return [(names[id(p)], p) for p in params]
-
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         hvd = self.hvd
-        named = self._parameter_names(optimizer)
+        # Horovod matches gradients across ranks by these names (Backend.wrap_optimizer
+        # has checked that every parameter belongs to a wrapped model).
+        names = parameter_names(self._models)
+        named = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.grad_compression]
         # backward_passes_per_step: the all-reduce fires on the window's last
         # backward; a shorter last window is completed by synchronize() in step().
@@ -194,7 +189,7 @@ class HorovodBackend(Backend):
         # fresh optimizer is empty (hence equal) on every rank, so only a
         # loaded state needs broadcasting; all ranks agree on that first.
         has_state = torch.tensor([1 if optimizer.state_dict()["state"] else 0])
-        agree = self.all_reduce(has_state, op="sum").item()
+        agree = self.comm.all_reduce(has_state, op="sum").item()
         if agree not in (0, self.world_size):
             raise ParallelxError(
                 "horovod: optimizer state was loaded on some ranks but not others; load the checkpoint on every rank"
@@ -203,7 +198,6 @@ class HorovodBackend(Backend):
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
         return dist_opt
 
-    # ------------------------------------------------------ the training loop
     def _check_options(self, options: LoopOptions) -> None:
         if options.grad_compression == "bf16":
             raise ParallelxError(
@@ -211,49 +205,83 @@ class HorovodBackend(Backend):
                 "tensor support; use fp16 (hvd.Compression.fp16) or none"
             )
 
-    def _sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        # Wait for the all-reduces (and start those a short window never
-        # triggered), so that clipping sees the averaged gradients.
-        optimizer.synchronize()  # type: ignore[attr-defined]
-
-    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        with optimizer.skip_synchronize():  # type: ignore[attr-defined]  (already averaged above)
-            return super()._apply_step(optimizer)
-
-    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
-        return self.device
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        hvd = self.hvd
-        return hvd.allreduce(tensor, op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
-
-    def barrier(self) -> None:
-        self._require_init()
-        with self._watch("barrier"):
-            self.hvd.barrier()
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        self._require_init()
-        with self._watch("broadcast"):
-            if isinstance(obj, torch.Tensor):
-                return self.hvd.broadcast(obj.to(self.device), root_rank=src).to(obj.device)  # type: ignore[return-value]
-            return self.hvd.broadcast_object(obj, root_rank=src)
-
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        # hvd.allgather takes a different first dimension on each rank; the sizes split its result.
-        with self._watch("all_gather"):
-            sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-            return list(torch.split(self.hvd.allgather(tensor), sizes))
-
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.world_size > 1 and self.device.type == "cuda":
             return convert_batchnorm(model, self.hvd.SyncBatchNorm)
         # hvd.SyncBatchNorm runs on GPUs only; the base's reduces through all_reduce.
         return super()._sync_batchnorm(model)
 
-    # ---------------------------------------------------------- elastic runs
-    def run_elastic(self, train: Callable[[], T]) -> T:
-        self._require_init()
+    def _rejoined(self) -> None:
+        """Take the new world's rank and sizes after ``hvd.elastic.run`` re-initialised
+        Horovod (ranks are not stable across a reset; the world may have shrunk)."""
+        hvd = self.hvd
+        self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self._local_world_size = hvd.local_size()
+        if hvd.nccl_built():
+            self._device = self._pick_device(self._local_rank)
+        self.comm = HorovodCollectives(hvd, self.device, self._watch)
+        self.loop.comm = self.comm
+        # The models of an earlier train() are gone: their parameter names must
+        # not prefix the new ones (Horovod matches gradients across ranks by name).
+        self._models = []
+
+
+class HorovodCollectives(Collectives):
+    """Horovod's collectives (Gloo or MPI controller; NCCL for CUDA tensors where built with it)."""
+
+    def __init__(self, hvd: Any, device: torch.device, watch: Watch) -> None:
+        super().__init__(hvd.rank(), hvd.size(), watch)
+        self.hvd = hvd
+        self.device = device
+
+    def comm_device(self, tensor: torch.Tensor) -> torch.device:
+        return self.device
+
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        hvd = self.hvd
+        return hvd.allreduce(tensor, op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
+
+    def barrier(self) -> None:
+        with self.watch("barrier"):
+            self.hvd.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        with self.watch("broadcast"):
+            if isinstance(obj, torch.Tensor):
+                return cast(T, self.hvd.broadcast(obj.to(self.device), root_rank=src).to(obj.device))
+            return cast(T, self.hvd.broadcast_object(obj, root_rank=src))
+
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # hvd.allgather takes a different first dimension on each rank; the sizes split its result.
+        with self.watch("all_gather"):
+            sizes = self.hvd.allgather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+            return list(torch.split(self.hvd.allgather(tensor), sizes))
+
+
+class HorovodSync(GradientSync):
+    """``hvd.DistributedOptimizer`` all-reduces in its gradient hooks, on the
+    window's last backward (``backward_passes_per_step``)."""
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        # Wait for the all-reduces (and start those a short window never
+        # triggered), so that clipping sees the averaged gradients.
+        cast(Any, optimizer).synchronize()  # hvd.DistributedOptimizer's
+
+    def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+        with cast(Any, optimizer).skip_synchronize():  # already averaged above
+            return super().apply(optimizer, precision)
+
+
+class HorovodElastic(Elastic):
+    """Horovod's elastic runs: ``train()`` again in the new world after hosts join or leave."""
+
+    def __init__(self, hvd: Any, rejoined: Callable[[], None], watch: Watch) -> None:
+        self.hvd = hvd
+        self.rejoined = rejoined
+        self.watch = watch
+        self.state: Any = None
+
+    def run(self, train: Callable[[], T]) -> T:
         # horovodrun sets HOROVOD_ELASTIC=1 only when started elastic (--min-np,
         # --max-np or --host-discovery-script); a fixed world has nothing to rejoin.
         if os.environ.get("HOROVOD_ELASTIC") != "1":
@@ -269,32 +297,17 @@ class HorovodBackend(Backend):
         state = ObjectState(hvd.broadcast_object, hvd.rank, commits=0)
 
         def attempt(state: ObjectState) -> T:
-            self._rejoined()
+            self.rejoined()
             return train()
 
-        self._elastic_state = state
+        self.state = state
         try:
-            return hvd.elastic.run(attempt)(state)
+            return cast(T, hvd.elastic.run(attempt)(state))
         finally:
-            self._elastic_state = None
+            self.state = None
 
-    def elastic_commit(self) -> None:
-        self._require_init()
-        state = getattr(self, "_elastic_state", None)
-        if state is not None:
-            with self._watch("elastic commit"):
-                state.commits += 1
-                state.commit()  # raises HostsUpdatedInterrupt, which run_elastic handles, when hosts changed
-
-    def _rejoined(self) -> None:
-        """Take the new world's rank and sizes after ``hvd.elastic.run`` re-initialised
-        Horovod (ranks are not stable across a reset; the world may have shrunk)."""
-        hvd = self.hvd
-        self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-        self._local_world_size = hvd.local_size()
-        if hvd.nccl_built():
-            self._device = self._pick_device(self._local_rank)
-        # The models of an earlier train() are gone: their parameter names must
-        # not prefix the new ones (Horovod matches gradients across ranks by name).
-        self._models = []
-        self._window = SINGLE
+    def commit(self) -> None:
+        if self.state is not None:
+            with self.watch("elastic commit"):
+                self.state.commits += 1
+                self.state.commit()  # raises HostsUpdatedInterrupt, which run() handles, when hosts changed

@@ -20,12 +20,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import launch, plan, report, stats
+from benchmarks import launch, plan, report, stats, tracking
 from benchmarks.workload import BenchError
 from parallelx import envreport
 from parallelx.cli import exit_on_error, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The cost of trackers and throughput accounting (benchmarks/tracking.py): run only when named in --only.
+TRACKING = "tracking"
 
 
 def add_common(p: argparse.ArgumentParser, *, out_dir: Path, raw: Path, timeout: float | None) -> None:
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default=",".join(plan.PARTS),
-        help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)})",
+        help=f"comma-separated parts to run (default: all of {','.join(plan.PARTS)}; also: {TRACKING})",
     )
     p.add_argument("--models", default="lenet,vgg16", help="comma-separated: lenet, vgg16")
     p.add_argument("--image-size", type=int, default=None, help="VGG16 image size (default: the mode's)")
@@ -85,7 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.control = list(plan.FAMILIES) if args.control == "all" else [x for x in args.control.split(",") if x]
     if bad := [x for x in args.control if x not in plan.FAMILIES]:
         p.error(f"--control: unknown {', '.join(bad)}; choose from {', '.join(plan.FAMILIES)}")
-    for option, given, valid in (("--only", args.parts, plan.PARTS), ("--models", args.model_list, ("lenet", "vgg16"))):
+    parts = (*plan.PARTS, TRACKING)
+    for option, given, valid in (("--only", args.parts, parts), ("--models", args.model_list, ("lenet", "vgg16"))):
         if bad := [x for x in given if x not in valid]:
             p.error(f"{option}: unknown {', '.join(bad)}; choose from {', '.join(valid)}")
     return args
@@ -149,6 +152,11 @@ class Session:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = preset_from(args)
+    if TRACKING in args.parts:  # asked for by name only: one process, its own results (benchmarks/tracking.py)
+        rc = tracking.main(["--blocks", str(max(preset.same_blocks, 20)), "--out-dir", str(args.out_dir / "tracking")])
+        args.parts.remove(TRACKING)
+        if not args.parts:
+            return rc
     session = Session(args, argv, "benchmarks.run", "bench")
     machine, work = session.machine, session.work
     if machine.gpus == 0 and machine.nproc > machine.cores:

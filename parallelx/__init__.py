@@ -14,6 +14,7 @@ from .errors import BackendUnavailableError, LaunchError, ParallelxError, Unknow
 from .launch import Launcher
 from .local import LocalBackend
 from .log import warn
+from .main_process import get_logger, local_main_process_first, main_process_first
 from .metrics import MetricSums, real_mask
 from .preempt import Preemption
 from .process_group import ProcessGroupBackend
@@ -45,8 +46,11 @@ __all__ = [
     "exit_on_error",
     "from_args",
     "get_backend",
+    "get_logger",
     "latest_checkpoint",
     "load_training_state",
+    "local_main_process_first",
+    "main_process_first",
     "real_mask",
     "register_backend",
     "save_training_state",

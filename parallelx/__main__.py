@@ -7,6 +7,7 @@ python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar1
                                                 # start N local processes with the backend's own launcher
 python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
                                                 # a sharded checkpoint as one portable file
+python -m parallelx check -- train.py ARGS      # the same numbers on every backend? (docs/check.md)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import envreport, sharded
+from . import check, envreport, sharded
 from .cli import exit_on_error
 from .errors import ParallelxError
 from .registry import backend_class, markdown_table
@@ -63,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument("src")
     conv.add_argument("dst")
+    checking = sub.add_parser(
+        "check",
+        help="prove that a training script gives the same numbers on every backend",
+        description="Runs SCRIPT (after --) for a few optimizer steps on every backend, under its own launcher, "
+        "and in one process playing the ranks; compares them against the script's own measured noise floor and "
+        "names the likely cause of any difference.  Exit status: 0 the same numbers, 1 something differs, "
+        "2 the check could not run.",
+    )
+    check.command.add_arguments(checking)
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
     target = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -76,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return envreport.main()
     if args.command == "convert-checkpoint":
         return _convert(Path(args.src), Path(args.dst))
+    if args.command == "check":
+        return check.command.main(args, target)
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
 
 

@@ -103,8 +103,10 @@ class SyncBatchNorm(_BatchNorm):
         out, mean, var, total = _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.eps, self.reduce)
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
             with torch.no_grad():  # as _BatchNorm does: momentum None means a cumulative average
-                self.num_batches_tracked.add_(1)
-                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                tracked = self.num_batches_tracked
+                assert tracked is not None  # track_running_stats keeps the count
+                tracked.add_(1)
+                factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
                 unbiased = var * (total / (total - 1).clamp_min(1))
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)

@@ -4,8 +4,8 @@ A parallelx checkpoint is one plain PyTorch file: every model is replaced by
 its unwrapped ``state_dict`` and every optimizer by a plain ``torch.optim``
 state dict, all on the CPU, so ``torch.load(path, weights_only=True)`` reads it
 anywhere, with no backend package and at any world size.  Gathering sharded
-state is the backend's business (``Backend.model_state_dict`` and
-``Backend.optimizer_state_dict``); this module only walks, writes and reads.
+state is the backend's state part (:mod:`parallelx.stateio`); this module
+only walks, writes and reads.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
 
-from . import state as pure
-from .errors import ParallelxError
-from .state import to_cpu
+from .errors import ParallelxError, first_line
+from .state import to_cpu  # noqa: F401  (parallelx.checkpoint.to_cpu is documented)
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -46,21 +45,42 @@ def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state:
     return obj
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename it into
-    place: a failure (or a crash) leaves any previous file intact."""
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Create ``path``, fill it with ``write`` and flush it to disk."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
+    """Fill a temporary file beside ``path`` with ``write``, flush it, then
+    rename it into place: a failure (or a crash) leaves any previous file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(Path(tmp), write)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` through :func:`atomic_write`."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
@@ -71,10 +91,7 @@ def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=weights_only)
     except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
-        raise ParallelxError(
-            f"checkpoint {p} cannot be read ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
-        ) from None
+        raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def save_on_main(
@@ -92,56 +109,3 @@ def save_on_main(
     error = broadcast(error)
     if error is not None:
         raise ParallelxError(error)
-
-
-class StateHooks:
-    """How a backend hands out and takes back whole state: ``Backend`` inherits
-    these plain answers, and a backend that shards parameters or optimizer
-    state (DeepSpeed's ZeRO) overrides them with its gathering and scattering.
-    :meth:`Backend.save` and the training-state checkpoints
-    (:mod:`parallelx.trainstate`) ask only these."""
-
-    def unwrap(self, model: nn.Module) -> nn.Module:  # Backend's
-        raise NotImplementedError
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full, unwrapped ``state_dict`` as CPU tensors.  A collective on
-        backends that shard parameters: every rank must call it."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
-
-    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
-        """A plain ``torch.optim`` state dict (tensors on the CPU), or None with a
-        warning when the backend keeps it in a form that cannot be made portable."""
-        return to_cpu(optimizer.state_dict())
-
-    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's whole state in ``torch.optim``'s layout keyed by
-        ``model``'s parameter names, on the CPU.  A collective where it is sharded."""
-        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
-        return pure.named_optimizer_state(optimizer, names)
-
-    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
-        """Load what :meth:`named_optimizer_state` returned (any backend, any
-        world size), matching parameters by name.  Every rank calls it."""
-        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
-        pure.load_named_optimizer_state(optimizer, names, state)
-
-    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
-        """This rank's shards of the model's and the optimizer's state by name
-        (``{"model": ..., "optimizer": {"state": ..., "param_groups": ...}}``)
-        when the backend writes sharded training-state checkpoints
-        (:mod:`parallelx.sharded`); None: whole tensors in ``state.pt``."""
-        return None
-
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
-    ) -> bool:
-        """Read this rank's own slices of a sharded checkpoint's ``directory``
-        straight into ``model`` and ``optimizer`` (a collective); False: the
-        backend does not shard, and the caller loads the whole tensors."""
-        return False
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """What a training-state checkpoint records of this backend's set-up
-        besides its name and world size (DeepSpeed: its ZeRO stage)."""
-        return {}

@@ -13,17 +13,20 @@ the flags a launcher appends (the deepspeed launcher's ``--local_rank``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
+from .compiling import MODES
 from .errors import ParallelxError
 from .loop import COMPRESSIONS, PRECISIONS
 from .protocol import Backend
 from .registry import available_backends, backend_class, detect_backend, get_backend
 from .settings import DEVICES
+from .tracking import DEFAULT_LOG_EVERY, MonitorOptions, available_trackers, parse_loggers
 
 F = TypeVar("F", bound=Callable[..., int | None])
 
@@ -41,7 +44,7 @@ def exit_on_error(fn: F) -> F:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)
 
 
 def positive_float(text: str) -> float:
@@ -76,8 +79,9 @@ NONE_IN_WORDS = "%(default).0s"
 def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> argparse.ArgumentParser:
     """Add ``--backend``, ``--device``, ``--timeout``, the training-loop options
     (``--accumulate``, ``--clip-grad-norm``, ``--precision``,
-    ``--grad-compression``) and every registered backend's own options to
-    ``parser``; returns the parser."""
+    ``--grad-compression``), the trackers' and profiles' (``--logger``,
+    ``--profile-steps``, ...: :func:`add_tracking_arguments`) and every
+    registered backend's own options to ``parser``; returns the parser."""
     names = available_backends()
     group = parser.add_argument_group("parallelx")
     group.add_argument(
@@ -127,6 +131,35 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
         default=None,
         help="gradient data type on the wire (default: none)" + NONE_IN_WORDS,
     )
+    model = parser.add_argument_group("model (applied by backend.wrap_model, as each backend needs)")
+    model.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: ddp's wrapper (its buckets still overlap), fsdp's units before "
+        "sharding, DeepSpeed's engine, the model elsewhere",
+    )
+    model.add_argument(
+        "--compile-mode",
+        choices=MODES,
+        default=None,
+        help="torch.compile's mode (implies --compile; default: default)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CLASSES",
+        help="recompute these modules' activations in the backward: auto (the blocks fsdp shards) or class "
+        "names, e.g. Block (default: off; the flag alone: auto)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep sharded state in CPU memory between uses, on GPUs: fsdp's parameters and gradients "
+        "(CPUOffloadPolicy), DeepSpeed ZeRO's optimizer state (offload_optimizer)",
+    )
+    add_tracking_arguments(parser)
     for name in names:
         if name == "auto":
             continue
@@ -137,15 +170,88 @@ def add_arguments(parser: argparse.ArgumentParser, default: str = "auto") -> arg
     return parser
 
 
-def from_args(args: argparse.Namespace) -> Backend:
+def loggers_type(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated tracker names."""
+    try:
+        return parse_loggers(text)
+    except ParallelxError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--logger``, ``--logger-dir``, ``--logger-every``, ``--peak-tflops``,
+    ``--tokens-per-sample``, ``--profile-steps``, ``--memory-snapshot`` (docs/trackers.md)."""
+    group = parser.add_argument_group("trackers, throughput and profiles")
+    group.add_argument(
+        "--logger",
+        dest="loggers",
+        type=loggers_type,
+        default=None,
+        metavar="NAMES",
+        help=f"comma-separated trackers: {', '.join(available_trackers())} (default: none)" + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--logger-dir",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="the run directory for the trackers' files and the profiles (default: runs/<date>-<time>)" + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--logger-every",
+        type=positive_int,
+        default=None,
+        metavar="STEPS",
+        help=f"optimizer steps per logging interval (default: {DEFAULT_LOG_EVERY})" + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        metavar="X",
+        help="peak TFLOP/s of one device, for MFU (default: from the table of GPUs)" + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--tokens-per-sample",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens in one sample, for tokens/s (default: not reported)" + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="record torch.profiler for optimizer steps A to B (from 1), a trace per rank (default: none)"
+        + NONE_IN_WORDS,
+    )
+    group.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="with --profile-steps on GPUs: also record the CUDA memory history of those steps",
+    )
+
+
+def from_args(args: argparse.Namespace, **overrides: Any) -> Backend:
     """Create (not init) the backend that ``args.backend`` names (``auto``
-    included), with the options the parsed arguments give it."""
+    included), with the options the parsed arguments give it; the parsed
+    arguments are the run's hyperparameters for its trackers.  ``overrides``
+    are constructor options that win over the arguments' (a script's own
+    choices); ``monitor={...}`` changes only the fields it names, e.g.
+    ``from_args(args, monitor={"throughput": True})`` for a progress bar's
+    throughput without a ``--logger``."""
     name = getattr(args, "backend", "auto") or "auto"
     if name == "auto":
         name = detect_backend()
-    return get_backend(name, **backend_class(name).options_from_args(args))
+    options = backend_class(name).options_from_args(args)
+    monitor = MonitorOptions.from_args(args)
+    if (changes := overrides.pop("monitor", None)) is not None:
+        monitor = dataclasses.replace(monitor, **dict(changes)) if isinstance(changes, Mapping) else changes
+    backend = get_backend(name, monitor=monitor, **{**options, **overrides})
+    backend.monitor.log_hyperparams(args)
+    return backend
 
 
-# The names these had before; kept for scripts that use them.
+# Aliases, documented as such.
 add_backend_arguments = add_arguments
 backend_from_args = from_args

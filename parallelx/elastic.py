@@ -12,8 +12,8 @@ calls ``parallelx.save_training_state`` then ``backend.elastic_commit()``.
 Whatever was done after the last checkpoint is done again, by the new world;
 models and optimizers of an earlier call must not be used again.
 
-Elsewhere ``train()`` runs once; a backend that can do better (Horovod)
-overrides these hooks.
+Elsewhere ``train()`` runs once (:class:`Elastic`); a backend that can do
+better (Horovod) gives a subclass.
 """
 
 from __future__ import annotations
@@ -24,22 +24,15 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-class ElasticHooks:
-    """``Backend.run_elastic`` and ``elastic_commit``, as a backend without elastic worlds has them."""
+class Elastic:
+    """The elastic part of a backend whose world does not change while the job
+    runs: ``train()`` runs once, and a commit marks nothing."""
 
-    def _require_init(self) -> None:  # Backend's
-        raise NotImplementedError
-
-    def run_elastic(self, train: Callable[[], T]) -> T:
-        """Run ``train()``, again in the new world after a lost rank where the
-        launcher can change the world (``horovodrun --min-np --max-np``);
-        elsewhere once.  ``train`` builds everything afresh each time and
-        resumes from ``parallelx.latest_checkpoint`` (README, "Surviving
-        failures").  Returns what ``train()`` returned."""
-        self._require_init()
+    def run(self, train: Callable[[], T]) -> T:
+        """Run ``train()``; again in the new world after a lost rank where the
+        launcher can change the world.  Returns what ``train()`` returned."""
         return train()
 
-    def elastic_commit(self) -> None:
-        """Mark the checkpoint just saved as where an elastic run goes back to
-        (hosts join or leave here).  Every rank calls it; elsewhere a no-op."""
-        self._require_init()
+    def commit(self) -> None:
+        """Mark the checkpoint just saved as where an elastic run goes back to.
+        Every rank calls it."""

@@ -20,3 +20,11 @@ class BackendUnavailableError(ParallelxError):
 
 class LaunchError(ParallelxError):
     """The process was started the wrong way for the backend asked for."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first two non-empty lines of ``exc``'s message, joined: enough to
+    tell one failure from another in a one-line error (torch lists every
+    mismatch of a state dict over many lines)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return " ".join(lines[:2])[:limit] if lines else type(exc).__name__

@@ -12,10 +12,12 @@ A loop written once::
 
 means the same on every backend: one process taking the same global batches,
 with the gradients averaged over the window and the ranks, clipped by their
-global norm, the optimizer and the scheduler stepped once per window.  How
-each backend gets there (DDP's ``no_sync``, Horovod's
-``backward_passes_per_step`` and ``synchronize``, DeepSpeed's accumulation
-boundary and config) is in the backend's module.
+global norm, the optimizer and the scheduler stepped once per window.  The
+loop reaches a backend through three of its parts: the gradient
+synchronisation (:class:`parallelx.gradsync.GradientSync`: DDP's ``no_sync``,
+Horovod's ``synchronize``, DeepSpeed's accumulation boundary), the collectives
+(:class:`parallelx.collectives.Collectives`) and the precision
+(:class:`parallelx.precision.Precision`).
 """
 
 from __future__ import annotations
@@ -23,22 +25,22 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from . import precision as amp
+from .collectives import Collectives, Watch
 from .errors import ParallelxError
+from .gradsync import GradientSync
 from .log import warn
+from .precision import Precision
 
 T = TypeVar("T")
 
-Precision = Literal["32", "bf16-mixed", "16-mixed"]
 PRECISIONS: tuple[str, ...] = ("32", "bf16-mixed", "16-mixed")
-Compression = Literal["none", "fp16", "bf16"]
 COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16")
 
 
@@ -113,95 +115,94 @@ class StepResult:
     skipped: bool = False
 
 
-def total_norm(optimizer: Any) -> torch.Tensor:
-    """The global 2-norm of the gradients held by ``optimizer``'s parameters."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+#: Called at every window's end with the optimizer, once its gradients are the
+#: averaged, unscaled ones and before they are clipped.
+BoundaryHook = Callable[[torch.optim.Optimizer], None]
 
 
-def clip_to_norm(optimizer: Any, max_norm: float, norm: torch.Tensor) -> None:
-    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when that is below 1,
-    exactly as ``torch.nn.utils.clip_grad_norm_`` does."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+class StepMarks(Protocol):
+    """What the loop tells whoever measures it (:class:`parallelx.tracking.Monitor`) of where each step is."""
+
+    def pass_start(self) -> None: ...
+    def requested(self) -> None: ...
+    def ready(self, batch: Any) -> None: ...
+    def backward_done(self) -> None: ...
+    def step_done(self) -> None: ...
+    def pass_end(self) -> None: ...
+    def pass_paused(self) -> None: ...
 
 
-class LoopHooks:
-    """What :class:`TrainingLoop` asks of a backend, with the plain answers:
-    ``Backend`` inherits them, and a backend overrides the ones its native
-    mechanism does otherwise (DDP's ``no_sync``, Horovod's ``synchronize``,
-    DeepSpeed's engine)."""
+class NoMarks:
+    """Nobody measures: every mark does nothing."""
 
-    options: LoopOptions
-    precision: amp.Precision
-    device: torch.device
-    _initialized: bool
+    def pass_start(self) -> None:
+        pass
 
-    def _options_changed(self) -> None:
-        """Rebuild whatever the backend derived from :attr:`options`."""
+    def requested(self) -> None:
+        pass
 
-    def _check_options(self, options: LoopOptions) -> None:
-        """Reject, at construction, loop options this backend cannot honour."""
+    def ready(self, batch: Any) -> None:
+        pass
 
-    def _make_precision(self) -> amp.Precision:
-        """The precision for :attr:`options` on :attr:`device`; a backend whose
-        engine casts and scales by itself returns a variant."""
-        return amp.Precision(self.options.precision, self.device if self._initialized else None)
+    def backward_done(self) -> None:
+        pass
 
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        """Keep gradients local for one forward and backward inside a window."""
-        return contextlib.nullcontext()
+    def step_done(self) -> None:
+        pass
 
-    def _backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
-        loss.backward()
+    def pass_end(self) -> None:
+        pass
 
-    def _sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the gradients the averaged ones before they are clipped."""
-
-    def _clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
-        """Clip the (averaged) gradients; return their norm before clipping, or
-        None when the backend computes it during its step."""
-        norm = total_norm(optimizer)
-        if max_norm is not None:
-            clip_to_norm(optimizer, max_norm, norm)
-        return norm
-
-    def _apply_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer; True when the step was skipped (inf/nan under 16-mixed)."""
-        return self.precision.step(optimizer)
-
-    def _stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        return torch.tensor(float("nan"))
+    def pass_paused(self) -> None:
+        pass
 
 
 class TrainingLoop:
     """The loop's side of a backend: accumulation windows, equal batch counts
-    on every rank, the loss divided once per window, and the boundary step.
+    on every rank, the loss divided once per window, and the boundary step,
+    through the backend's gradient synchronisation, collectives and precision."""
 
-    One per backend (``backend._loop``); what differs between backends is
-    reached through the backend's hooks (``_no_sync``, ``_backward``,
-    ``_sync_gradients``, ``_clip_gradients``, ``_apply_step``,
-    ``_stepped_grad_norm``) and its precision object.
-    """
-
-    def __init__(self, backend: Any) -> None:  # a parallelx.Backend (not imported: it imports this module)
-        self.backend = backend
+    def __init__(
+        self,
+        name: str,
+        sync: GradientSync,
+        comm: Collectives,
+        watch: Watch,
+        options: LoopOptions,
+        precision: Precision,
+        meter: StepMarks | None = None,
+    ) -> None:
+        self.name = name
+        self.sync = sync
+        self.comm = comm
+        self.watch = watch
+        self.options = options
+        self.precision = precision
         #: Where the current micro-batch sits (SINGLE outside batches()).
         self.window: Window = SINGLE
+        self._boundary_hooks: list[BoundaryHook] = []
+        #: Told where each step is (:class:`parallelx.tracking.Monitor`: throughput, profiles, logging intervals).
+        self.meter: StepMarks = meter if meter is not None else NoMarks()
+
+    def add_boundary_hook(self, hook: BoundaryHook) -> Callable[[], None]:
+        """Call ``hook(optimizer)`` at every window's end, between the averaging
+        and the clipping (where :meth:`GradientSync.averaged_gradients` is
+        valid); returns a function that removes it."""
+        self._boundary_hooks.append(hook)
+        return lambda: self._boundary_hooks.remove(hook)
 
     def batches(self, loader: Iterable[T], limit: int | None = None) -> Iterator[T]:
-        b = self.backend
         if limit is not None and limit < 1:
             raise ParallelxError(f"batches(limit=...) must be >= 1, got {limit}")
         n = self._agreed_length(loader, limit)
-        size = b.options.accumulate
+        size = self.options.accumulate
+        meter = self.meter
+        meter.pass_start()
         iterator = iter(loader)
         try:
             if n is not None:
                 for i in range(n):
+                    meter.requested()
                     try:
                         batch = next(iterator)
                     except StopIteration:
@@ -210,45 +211,54 @@ class TrainingLoop:
                             f"{n}; other ranks may now wait for this one"
                         ) from None
                     start = i - i % size
+                    meter.ready(batch)
                     yield from self._micro_batch(batch, Window(i - start, min(size, n - start), managed=True))
+                meter.pass_end()
                 return
             # Lengths unknown: read a window ahead, then agree on how much of it every rank has.
             seen = 0
             while True:
                 want = size if limit is None else min(size, limit - seen)
+                meter.requested()
                 window = list(itertools.islice(iterator, want))
-                k = int(b.all_reduce(torch.tensor([len(window)]), op="min").item()) if b.world_size > 1 else len(window)
+                k = (
+                    int(self.comm.all_reduce(torch.tensor([len(window)]), op="min").item())
+                    if self.comm.world_size > 1
+                    else len(window)
+                )
                 if k < len(window):
                     warn(
-                        f"{b.name}: another rank ran out of batches; this rank stops too (policy: every "
+                        f"{self.name}: another rank ran out of batches; this rank stops too (policy: every "
                         "rank stops with the shortest, so no collective waits for a rank that has finished)"
                     )
                 for j in range(k):
+                    meter.ready(window[j])
                     yield from self._micro_batch(window[j], Window(j, k, managed=True))
                 seen += k
                 if k < want or (limit is not None and seen >= limit):
+                    meter.pass_end()
                     return
         finally:
             self.window = SINGLE
+            meter.pass_paused()  # left early (a break, an error): no collective here
 
     def _agreed_length(self, loader: Iterable[Any], limit: int | None) -> int | None:
         """The number of batches every rank takes this pass: the shortest rank's
         ``len(loader)`` (capped by ``limit``), or None when a rank's loader has no length."""
-        b = self.backend
         try:
-            n = len(loader)  # type: ignore[arg-type]
-        except TypeError:
+            n = len(loader) if isinstance(loader, Sized) else -1
+        except TypeError:  # a DataLoader over an IterableDataset has __len__ but no length
             n = -1
         if n >= 0 and limit is not None:
             n = min(n, limit)
-        if b.world_size > 1:
-            both = b.all_reduce(torch.tensor([n, -n]), op="max")  # [longest, -shortest] in one collective
+        if self.comm.world_size > 1:
+            both = self.comm.all_reduce(torch.tensor([n, -n]), op="max")  # [longest, -shortest] in one collective
             longest, shortest = int(both[0]), -int(both[1])
             if shortest < 0:
                 return None
             if shortest != longest:
                 warn(
-                    f"{b.name}: the ranks' loaders give {shortest} to {longest} batches; every rank takes "
+                    f"{self.name}: the ranks' loaders give {shortest} to {longest} batches; every rank takes "
                     f"{shortest} (the rest of the longer shards is left out of this pass)"
                 )
             n = shortest
@@ -257,35 +267,39 @@ class TrainingLoop:
     def _micro_batch(self, batch: T, window: Window) -> Iterator[T]:
         self.window = window
         # Inside a window the forward *and* the backward run under the backend's no-sync.
-        with self.backend._no_sync() if not window.boundary else contextlib.nullcontext():
+        with self.sync.no_sync() if not window.boundary else contextlib.nullcontext():
             yield batch
         self.window = SINGLE
 
-    def backward(self, loss: torch.Tensor, model: Any = None) -> None:
-        b, window = self.backend, self.window
-        if b.options.accumulate > 1 and not window.managed:
+    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        window = self.window
+        if self.options.accumulate > 1 and not window.managed:
             raise ParallelxError(
-                f"{b.name}: accumulate={b.options.accumulate} needs the loop to run over "
+                f"{self.name}: accumulate={self.options.accumulate} needs the loop to run over "
                 "backend.batches(loader), which marks the accumulation windows"
             )
         if window.size > 1:
             loss = loss / window.size
-        loss = b.precision.scale(loss)
-        with b._watch("backward (the gradient all-reduce)"):
-            b._backward(loss, model=model, boundary=window.boundary)
+        loss = self.precision.scale(loss)
+        with self.watch("backward (the gradient all-reduce)"):
+            self.sync.backward(loss, model=model, boundary=window.boundary)
+        self.meter.backward_done()
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
-        b = self.backend
         if not self.window.boundary:
             return None
-        with b._watch("the optimizer step (gradient synchronisation)"):
-            b._sync_gradients(optimizer)
-            b.precision.unscale(optimizer)
-            norm = b._clip_gradients(optimizer, b.options.clip_grad_norm)
-            skipped = b._apply_step(optimizer)
+        sync = self.sync
+        with self.watch("the optimizer step (gradient synchronisation)"):
+            sync.synchronize(optimizer)
+            self.precision.unscale(optimizer)
+            for hook in list(self._boundary_hooks):
+                hook(optimizer)
+            norm = sync.clip(optimizer, self.options.clip_grad_norm)
+            applied = sync.apply(optimizer, self.precision)
             if norm is None:
-                norm = b._stepped_grad_norm(optimizer)
-        if scheduler is not None and not skipped:
+                norm = sync.stepped_grad_norm(optimizer)
+        if scheduler is not None and applied:
             scheduler.step()
         optimizer.zero_grad()
-        return StepResult(grad_norm=norm.detach(), skipped=skipped)
+        self.meter.step_done()
+        return StepResult(grad_norm=norm.detach(), skipped=not applied)

@@ -195,9 +195,9 @@ def _listing(table: Mapping[str, Iterable[str]]) -> str:
 
 
 class Store(Protocol):
-    def set(self, key: str, value: str | bytes) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def add(self, key: str, amount: int) -> int: ...
+    def set(self, key: str, value: str, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def add(self, key: str, value: int, /) -> int: ...
     def check(self, keys: list[str]) -> bool: ...
 
 
@@ -589,13 +589,12 @@ class _Translate:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is None or isinstance(exc, LaunchError):
-            return False
+            return  # nothing to translate; None lets any exception through
         better = self.translate(exc)
         if better is not None:
             raise better from exc
-        return False
 
 
 def _clients_joined(text: str) -> tuple[int, int] | None:

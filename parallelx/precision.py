@@ -7,7 +7,7 @@ float16 and scales the loss with a ``GradScaler``, so that small gradients
 survive float16, unscales the gradients before they are clipped, and skips a
 step whose gradients overflowed.  A backend whose engine does all of that
 itself (DeepSpeed's float16 engine) gives a variant of its own
-(``Backend._make_precision``).
+(``Backend.precision_class``).
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer; True when the step was skipped (inf/nan under 16-mixed)."""
+        """Step the optimizer; False when the step was skipped (inf/nan under 16-mixed)."""
         if self.scaler is None:
             optimizer.step()
-            return False
+            return True
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() < before  # the scale backs off exactly when the step was skipped
+        return self.scaler.get_scale() >= before  # the scale backs off exactly when the step was skipped
 
 
 class EnginePrecision(Precision):

@@ -32,8 +32,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,7 +59,7 @@ class Preemption:
         self.requested_at: float | None = None
         self.signal: signal.Signals | None = None
         self.active = False
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def request(self, signum: signal.Signals | int = signal.SIGTERM) -> None:
         """Ask for a stop as the signal would (tests, or a script's own reasons)."""
@@ -89,6 +90,6 @@ class Preemption:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         for s, previous in self._previous.items():
-            signal.signal(s, previous)  # type: ignore[arg-type]
+            signal.signal(s, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
         self.active = False

@@ -1,5 +1,6 @@
-"""The ``torch.distributed`` base: collectives over a process group
-(Gloo on the CPU, NCCL on GPUs), shared by the ``ddp`` and ``deepspeed`` backends."""
+"""The ``torch.distributed`` base of the ``ddp``, ``fsdp`` and ``deepspeed``
+backends: joining a process group (Gloo on the CPU, NCCL on GPUs) and the
+collectives over it."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import os
 import time
 import uuid
 from collections import deque
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import network
+from .collectives import Collectives, Watch, no_watch
 from .errors import LaunchError
 from .launch import free_port
 from .log import warn
@@ -105,6 +107,54 @@ def attempt_token(store: dist.Store, rank: int, world_size: int, timeout: _dt.ti
     return token
 
 
+class ProcessGroupCollectives(Collectives):
+    """Collectives over ``torch.distributed``'s default process group (Gloo on
+    the CPU, NCCL on GPUs)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, watch: Watch = no_watch) -> None:
+        super().__init__(rank, world_size, watch)
+        self.device = device
+
+    def comm_device(self, tensor: torch.Tensor) -> torch.device:
+        # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        wait(dist.all_reduce(tensor, op=red, async_op=True))
+        return tensor
+
+    def barrier(self) -> None:
+        with self.watch("barrier"):
+            wait(dist.barrier(async_op=True))
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        with self.watch("broadcast"):
+            if isinstance(obj, torch.Tensor):
+                out = obj.detach().to(self.comm_device(obj), copy=True)
+                wait(dist.broadcast(out, src=src, async_op=True))
+                return cast(T, out.to(obj.device))
+            box = [obj]
+            dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+            return box[0]
+
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # dist.all_gather moves equal shapes only: every rank pads its rows to the longest.
+        rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        counts = [torch.empty_like(rows) for _ in range(self.world_size)]
+        with self.watch("all_gather"):
+            wait(dist.all_gather(counts, rows, async_op=True))
+        sizes = [int(c) for c in counts]
+        if max(sizes) == 0:
+            return [tensor.clone() for _ in sizes]
+        padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in sizes]
+        with self.watch("all_gather"):
+            wait(dist.all_gather(parts, padded, async_op=True))
+        return [part[:n] for part, n in zip(parts, sizes)]
+
+
 class ProcessGroupBackend(Backend):
     """A backend whose processes talk through ``torch.distributed``."""
 
@@ -188,47 +238,7 @@ class ProcessGroupBackend(Backend):
         assert self.environment is not None
         world = self.environment.world()
         self._local_world_size = world.local_world_size if world.world_size == self._world_size else 1
-
-    def _comm_device(self, tensor: torch.Tensor) -> torch.device:
-        # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        wait(dist.all_reduce(tensor, op=red, async_op=True))
-        return tensor
-
-    def barrier(self) -> None:
-        self._require_init()
-        with self._watch("barrier"):
-            wait(dist.barrier(async_op=True))
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        self._require_init()
-        with self._watch("broadcast"):
-            if isinstance(obj, torch.Tensor):
-                out = obj.detach().to(self._comm_device(obj), copy=True)
-                wait(dist.broadcast(out, src=src, async_op=True))
-                return out.to(obj.device)  # type: ignore[return-value]
-            box = [obj]
-            dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
-            return box[0]
-
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        # dist.all_gather moves equal shapes only: every rank pads its rows to the longest.
-        rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-        counts = [torch.empty_like(rows) for _ in range(self.world_size)]
-        with self._watch("all_gather"):
-            wait(dist.all_gather(counts, rows, async_op=True))
-        sizes = [int(c) for c in counts]
-        if max(sizes) == 0:
-            return [tensor.clone() for _ in sizes]
-        padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
-        parts = [torch.empty_like(padded) for _ in sizes]
-        with self._watch("all_gather"):
-            wait(dist.all_gather(parts, padded, async_op=True))
-        return [part[:n] for part, n in zip(parts, sizes)]
+        self.comm = ProcessGroupCollectives(self._rank, self._world_size, self.device, self._watch)
 
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.world_size > 1 and self.device.type == "cuda":
@@ -246,7 +256,7 @@ class ProcessGroupBackend(Backend):
                 # handles Python no longer holds (broadcast_object_list, a
                 # checkpoint's agreement): a barrier through wait() keeps them
                 # alive past teardown (see _RECENT_WORK).
-                self.barrier()
+                self.comm.barrier()
             if self._owns_group:
                 dist.destroy_process_group()
                 self._owns_group = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -39,10 +39,10 @@ def check_timeout(value: float, what: str) -> float:
     return value
 
 
-def check_op(op: str) -> str:
+def check_op(op: str) -> ReduceOp:
     if op not in REDUCE_OPS:
         raise ParallelxError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
-    return op
+    return cast(ReduceOp, op)
 
 
 def check_device(device: str | torch.device | None) -> str:
@@ -94,4 +94,13 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("accumulate", "clip_grad_norm", "precision", "grad_compression"):
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
+    mode = getattr(args, "compile_mode", None)
+    if getattr(args, "compile", False) or mode is not None:
+        options["compile"] = mode or True
+    if getattr(args, "cpu_offload", False):
+        options["cpu_offload"] = True
+    checkpointing = getattr(args, "activation_checkpointing", None)
+    if checkpointing is not None:
+        names = [n.strip() for n in checkpointing.split(",") if n.strip()]
+        options["activation_checkpointing"] = True if names in ([], ["auto"]) else names
     return options

@@ -2,7 +2,7 @@
 
 A backend that shards its parameters (``fsdp`` with ``sharded_checkpoints=True``)
 hands :func:`parallelx.save_training_state` this rank's shards by name
-(``Backend.sharded_state``) instead of whole tensors; they are written with
+(``StateIO.sharded_state``) instead of whole tensors; they are written with
 ``torch.distributed.checkpoint`` (DCP) into the checkpoint's temporary
 directory, beside the usual files, and published with it in one rename::
 
@@ -12,7 +12,7 @@ directory, beside the usual files, and published with it in one rename::
 
 No process ever holds the whole model.  Loading cuts the saved shards anew
 for this world size: the sharding backend reads its own slices
-(``Backend.load_sharded_state``); any other backend reads the whole tensors.
+(``StateIO.load_sharded_state``); any other backend reads the whole tensors.
 ``python -m parallelx convert-checkpoint SRC DST`` makes one portable file of
 a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 """
@@ -20,6 +20,7 @@ a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from . import checkpoint
 from .errors import ParallelxError
+from .stateio import StateIO, plain_key
 
 #: The DCP folder inside a checkpoint directory.
 SHARDS = "shards"
@@ -49,19 +51,16 @@ def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
 def read_whole(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's and the optimizer's whole tensors from ``directory/shards``
     (written at any world size), on the CPU, read by this process alone."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = directory / SHARDS
     if not (folder / ".metadata").is_file():
         raise ParallelxError(f"{directory} is not a sharded checkpoint (no {SHARDS}/.metadata)")
-    state: dict[str, Any] = {}
-    # What torch's own dcp_to_torch_save does: the planner makes the whole tensors from the file's index
-    # (dcp.load leaves an empty dict empty).
-    _load_state_dict(
-        state, storage_reader=dcp.FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    # torch's own conversion (whole tensors from the shards' index), through a temporary file.
+    with tempfile.TemporaryDirectory(prefix="parallelx-whole-") as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(folder, whole)
+        state = torch.load(whole, map_location="cpu", weights_only=True)
     return state["model"], state.get("optimizer", {}).get("state", {})
 
 
@@ -73,21 +72,21 @@ def saved_keys(directory: Path) -> set[str]:
     return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
-def load(backend: Any, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
-    """Load a sharded checkpoint's model and optimizer state: the backend's own
-    slices where it shards, else the whole tensors.  Every rank calls it."""
-    live = set(backend.unwrap(model).state_dict().keys())
+def load(io: StateIO, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
+    """Load a sharded checkpoint's model and optimizer state through a backend's
+    state part: its own slices where it shards, else the whole tensors.  Every rank calls it."""
+    live = {plain_key(k) for k in io.unwrap(model).state_dict()}
     keys = saved_keys(path)
     if keys != live:
         raise ParallelxError(
             f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
             f"this model {sorted(keys - live)[:3]}"
         )
-    if backend.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
+    if io.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
         return
     weights, optim = read_whole(path)
-    backend.load_state_dict(model, weights)
-    backend.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
+    io.load_model_state_dict(model, weights)
+    io.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
 
 
 def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:

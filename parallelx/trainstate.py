@@ -46,8 +46,10 @@ from torch import nn
 
 from . import checkpoint, log, sharded
 from .environments import detect_environment
-from .errors import ParallelxError
-from .state import (  # noqa: F401  # noqa: F401
+from .errors import ParallelxError, first_line
+
+# The pure helpers on optimizer state by name belong to this module's documented interface too.
+from .state import (  # noqa: F401
     check_named_groups,
     indexed_optimizer_state,
     load_named_optimizer_state,
@@ -56,8 +58,7 @@ from .state import (  # noqa: F401  # noqa: F401
     rng_state,
     set_rng_state,
 )
-
-# Importable from here as before; they live in the pure helpers' module.
+from .stateio import plain_key
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ SUBDIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_ENGINE_KEY = "engine_counters"
 
 
 # ----------------------------------------------------------------- saving
@@ -111,9 +111,10 @@ def save_training_state(
     name = f"step-{step:08d}"
 
     # Collectives first, in the same order on every rank.  A sharding backend may hand out its shards instead.
-    shards = backend.sharded_state(model, optimizer)
-    model_state = backend.model_state_dict(model) if shards is None else None
-    optim_state = backend.named_optimizer_state(model, optimizer) if shards is None else sharded.skeleton(shards)
+    io = backend.state_io
+    shards = io.sharded_state(model, optimizer)
+    model_state = io.model_state_dict(model) if shards is None else None
+    optim_state = io.named_optimizer_state(model, optimizer) if shards is None else sharded.skeleton(shards)
     rng = rng_state()
 
     state: dict[str, Any] | None = None
@@ -144,6 +145,7 @@ def save_training_state(
     tmp, error = backend.broadcast((tmp, error), src=0)
     if error is not None:
         raise ParallelxError(error)
+    assert tmp is not None  # error was None: rank 0 made it
     tmp_dir = Path(tmp)
     mine = None
     try:
@@ -166,7 +168,7 @@ def save_training_state(
     error = None
     if backend.is_main():
         try:
-            _fsync_dir(tmp_dir)
+            checkpoint.fsync_dir(tmp_dir)
             _publish(tmp_dir, final)
             _write_latest(root, name)
             _prune(root, keep, name)
@@ -175,7 +177,8 @@ def save_training_state(
     error = backend.broadcast(error, src=0)
     if error is not None:
         raise ParallelxError(error)
-    backend.environment.checkpoint_saved(final, step)  # type: ignore[union-attr]  # (Ray Train keeps it)
+    if backend.environment is not None:  # (Ray Train keeps a copy)
+        backend.environment.checkpoint_saved(final, step)
     return final
 
 
@@ -234,13 +237,13 @@ def load_training_state(
     _check_optimizer(path, meta, state["optimizer"], optimizer)
     try:
         if meta.get("sharded"):  # the backend's own slices of the shards, or the whole tensors
-            sharded.load(backend, path, model, optimizer, state["optimizer"])
+            sharded.load(backend.state_io, path, model, optimizer, state["optimizer"])
         else:
             _check_model(path, state["model"], model, backend)
-            backend.load_state_dict(model, state["model"])
-            backend.load_named_optimizer_state(model, optimizer, state["optimizer"])
+            backend.state_io.load_model_state_dict(model, state["model"])
+            backend.state_io.load_named_optimizer_state(model, optimizer, state["optimizer"])
     except RuntimeError as exc:  # torch lists every mismatch over many lines: keep the first
-        raise ParallelxError(f"checkpoint {path} does not fit this model: {_first_line(exc)}") from None
+        raise ParallelxError(f"checkpoint {path} does not fit this model: {first_line(exc)}") from None
     _load_optional(path, "scheduler", scheduler, state["scheduler"])
     if not (default_scaler and state["scaler"] is None):
         _load_optional(path, "scaler", scaler, state["scaler"])
@@ -299,7 +302,7 @@ def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
         "format": FORMAT_VERSION,
         "backend": backend.name,
         "world_size": backend.world_size,
-        **backend.checkpoint_meta(),
+        **backend.state_io.checkpoint_meta(),
         "optimizer": _optimizer_type(optimizer),
         "step": step,
         "torch": str(torch.__version__),
@@ -309,10 +312,7 @@ def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
 
 
 def _write(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    checkpoint.write_synced(path, lambda f: torch.save(obj, f))
 
 
 def plain(obj: Any, where: str = "state") -> Any:
@@ -338,14 +338,6 @@ def plain(obj: Any, where: str = "state") -> Any:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished directory to its final name.  A checkpoint of the
     same step already there (a re-run) is first renamed aside, so the name
@@ -357,21 +349,11 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    checkpoint.fsync_dir(final.parent)
 
 
 def _write_latest(root: Path, name: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{LATEST}.", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(root)
+    checkpoint.atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
 
 
 def _complete(root: Path) -> list[tuple[int, Path]]:
@@ -410,11 +392,6 @@ def _agree(backend: Backend, error: str | None) -> None:
         raise ParallelxError(error or "another rank failed to read or write the checkpoint (see its error)")
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return " ".join(lines[:2])[:300] if lines else type(exc).__name__
-
-
 def _read_state(path: Path) -> dict[str, Any]:
     if not path.is_dir() or not (path / STATE_FILE).is_file():
         raise ParallelxError(
@@ -446,7 +423,7 @@ def _read_rng(path: Path, rank: int, saved_world: int) -> dict[str, Any]:
 
 
 def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend: Backend) -> None:
-    live = set(backend.unwrap(model).state_dict().keys())
+    live = {plain_key(k) for k in backend.unwrap(model).state_dict()}
     if set(saved) != live:
         missing, extra = sorted(live - set(saved))[:3], sorted(set(saved) - live)[:3]
         raise ParallelxError(
@@ -475,6 +452,5 @@ def _load_optional(path: Path, what: str, target: Any, state: Any) -> None:
         target.load_state_dict(state)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise ParallelxError(
-            f"checkpoint {path}: the {what} state does not fit this {what} "
-            f"({type(target).__name__}): {_first_line(exc)}"
+            f"checkpoint {path}: the {what} state does not fit this {what} ({type(target).__name__}): {first_line(exc)}"
         ) from None

@@ -1,5 +1,7 @@
-"""The command line shared by the recipes, and the checks that run before
-any data is read or any process group is joined.
+"""The command line shared by the recipes, the checks that run before any
+data is read or any process group is joined, and what the options mean:
+the learning-rate schedule (:func:`make_scheduler`) and the checkpoint that
+``--resume`` names (:func:`find_checkpoint`, :func:`recipe_state`).
 
 Every option a user can get wrong fails here with one line on stderr,
 ``error: ...``, and exit status 2: the numbers through argparse ``type=``
@@ -18,9 +20,12 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+
+import torch
 
 import parallelx
+from parallelx import Backend
 from parallelx.errors import ParallelxError
 
 #: Seeds are used as ``seed + epoch`` and ``seed + 1000 * rank`` too; NumPy's
@@ -115,6 +120,14 @@ def momentum(text: str) -> float:
     return value
 
 
+def proportion(text: str) -> float:
+    """argparse type: a number in [0, 1) (a dropout probability)."""
+    value = float(_number(text, float))
+    if not 0 <= value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number strictly between 0 and 1."""
     value = float(_number(text, float))
@@ -124,40 +137,53 @@ def fraction(text: str) -> float:
 
 
 # ---------------------------------------------------------------------- parser
-def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr: float) -> RecipeParser:
+def base_parser(
+    prog: str,
+    description: str,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    sgd: bool = True,
+    sample: str = "images",
+    lr_help: str = "learning rate",
+    data_help: str = "where the dataset is (see --help of each recipe)",
+    num_workers_help: str = "data-loader workers per process (default: this process's share of the cores, minus one)",
+    num_workers: int | None = None,
+) -> RecipeParser:
+    """The options every recipe has.  ``sgd``: also ``--momentum``,
+    ``--lr-schedule`` and ``--warmup-epochs``; without it ``--data-dir`` is
+    optional (the recipe says in ``data_help`` what it does without one)."""
     p = RecipeParser(prog=prog, description=description, formatter_class=HelpFormatter)
     parallelx.add_arguments(p)
-    p.add_argument("--data-dir", type=Path, required=True, help="where the dataset is (see --help of each recipe)")
+    p.add_argument("--data-dir", type=Path, required=sgd, default=None, help=data_help)
     p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
-    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="images per process per step")
-    p.add_argument("--lr", type=learning_rate, default=lr, help="learning rate")
-    p.add_argument("--momentum", type=momentum, default=0.9, help="SGD momentum, in [0, 1)")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help=f"{sample} per process per step")
+    p.add_argument("--lr", type=learning_rate, default=lr, help=lr_help)
+    if sgd:
+        p.add_argument("--momentum", type=momentum, default=0.9, help="SGD momentum, in [0, 1)")
     p.add_argument("--seed", type=seed, default=0, help=f"random seed, 0 to {SEED_MAX}")
-    p.add_argument(
-        "--num-workers",
-        type=non_negative_int,
-        default=None,
-        help="data-loader workers per process (default: this process's share of the cores, minus one)",
-    )
+    p.add_argument("--num-workers", type=non_negative_int, default=num_workers, help=num_workers_help)
     p.add_argument(
         "--max-steps",
         type=positive_int,
         default=None,
         help="cap on micro-batches per epoch and process, for quick runs (default: the whole epoch)",
     )
-    p.add_argument(
-        "--lr-schedule",
-        choices=LR_SCHEDULES,
-        default="constant",
-        help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
-        "50%% and 75%% of the steps)",
-    )
-    p.add_argument(
-        "--warmup-epochs",
-        type=non_negative_float,
-        default=0.0,
-        help="ramp the learning rate up linearly over this many epochs first (fractions allowed)",
-    )
+    if sgd:
+        p.add_argument(
+            "--lr-schedule",
+            choices=LR_SCHEDULES,
+            default="constant",
+            help="learning rate over the optimizer steps: constant; cosine (to 0 at the end); step (x0.1 at "
+            "50%% and 75%% of the steps)",
+        )
+        p.add_argument(
+            "--warmup-epochs",
+            type=non_negative_float,
+            default=0.0,
+            help="ramp the learning rate up linearly over this many epochs first (fractions allowed)",
+        )
     p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
     p.add_argument(
         "--checkpoint-every",
@@ -185,6 +211,99 @@ def base_parser(prog: str, description: str, *, epochs: int, batch_size: int, lr
         help="how many of the newest checkpoints to keep",
     )
     return p
+
+
+def make_scheduler(
+    optimizer: Any, kind: str, *, steps: int, warmup_steps: int, floor: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``--lr-schedule``: a schedule over ``steps`` optimizer steps (it is
+    stepped once per optimizer step, by ``backend.step``): a linear warm-up
+    from ``1/(warmup_steps+1)`` of the LR, then constant, cosine down to
+    ``floor`` times the LR, or x0.1 at 50 % and x0.01 at 75 % of the steps."""
+    if kind not in LR_SCHEDULES:
+        raise ParallelxError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {kind!r}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        done = (step - warmup_steps) / max(1, steps - warmup_steps)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+        if kind == "step":
+            return 0.01 if done >= 0.75 else 0.1 if done >= 0.5 else 1.0
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def find_checkpoint(backend: Backend, resume: str | None, out_dir: Path) -> Path | None:
+    """The checkpoint ``--resume`` names, decided by rank 0 so that every rank
+    loads the same one (a collective).  None for a fresh start: no ``--resume``,
+    or ``auto`` with no checkpoint in ``out_dir`` yet (said in one line)."""
+    if resume is None:
+        return None
+    found, error = None, None
+    if backend.is_main():
+        try:
+            path = checkpoint_path(resume, out_dir)
+            found = None if path is None else str(path)
+        except ParallelxError as exc:
+            error = str(exc)
+    found, error = backend.broadcast((found, error), src=0)
+    if error is not None:
+        raise ParallelxError(error)
+    if found is None:
+        backend.print(
+            f"--resume auto: no checkpoint in {out_dir / parallelx.trainstate.SUBDIR} yet; starting from the beginning"
+        )
+        return None
+    return Path(found)
+
+
+def checkpoint_path(resume: str | None, out: Path) -> Path | None:
+    """The checkpoint ``--resume`` names: "auto" is the latest in ``out`` (None
+    when there is none); a path is a checkpoint directory, or a run directory
+    whose latest checkpoint is taken."""
+    if resume == "auto":
+        return parallelx.latest_checkpoint(out)
+    path = Path(str(resume))
+    if (path / parallelx.trainstate.STATE_FILE).is_file():
+        return path
+    latest = parallelx.latest_checkpoint(path) if path.is_dir() else None
+    if latest is None:
+        raise ParallelxError(
+            f"--resume {path}: no checkpoint there (expected a checkpoint directory holding "
+            f"{parallelx.trainstate.STATE_FILE}, or an --out-dir with "
+            f"{parallelx.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists"
+        )
+    return latest
+
+
+def recipe_state(info: dict[str, Any], path: Path, recipe: str, epochs: int) -> tuple[dict[str, Any], str]:
+    """The loop state a recipe stored in checkpoint ``path`` (``extra=`` of
+    ``save_training_state``; ``info`` is what ``load_training_state`` returned),
+    checked to be this recipe's, and where it continues, in words."""
+    state, meta = info["extra"], info["meta"]
+    if not isinstance(state, dict) or "recipe" not in state or "epoch" not in state:
+        raise ParallelxError(
+            f"checkpoint {path} was not written by a recipe (no loop state in it); "
+            "resume recipes from their own checkpoints"
+        )
+    if state["recipe"] != recipe:
+        raise ParallelxError(
+            f"checkpoint {path} is of the {state['recipe']!r} recipe, this is {recipe!r}; "
+            "resume a run with the recipe that wrote it"
+        )
+    if state["epoch"] > epochs:
+        where = f"the end of training (all {epochs} epochs done)"
+    elif state["batches"]:
+        where = f"epoch {state['epoch']}, after micro-batch {state['batches']} of it"
+    else:
+        where = f"the start of epoch {state['epoch']}"
+    where += (
+        f", optimizer step {state['global_step']} (written by {meta['backend']} with {meta['world_size']} process(es))"
+    )
+    return state, where
 
 
 # ------------------------------------------------------------------ validation
@@ -233,10 +352,10 @@ def check_num_workers(workers: int | None) -> None:
         )
 
 
-def check_data_dir(path: Path) -> None:
+def check_data_dir(path: Path | None) -> None:
     """A data directory that exists must be a directory.  (A missing one is
     reported by the data loaders, which know how to make one.)"""
-    if path.exists() and not path.is_dir():
+    if path is not None and path.exists() and not path.is_dir():
         raise ParallelxError(f"--data-dir {path} is a file; expected the directory that holds the dataset")
 
 

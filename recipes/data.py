@@ -1,5 +1,7 @@
-"""Datasets of the recipes: CIFAR-10 (the official Python pickles) and Kaggle
-Dogs-vs-Cats (a folder of JPEGs, optionally with a ``train.csv``).
+"""Datasets of the recipes: CIFAR-10 (the official Python pickles), Kaggle
+Dogs-vs-Cats (a folder of JPEGs, optionally with a ``train.csv``) and a text
+file of characters; and the data loaders the recipes draw from
+(:func:`make_loader`).
 
 Everything a training run will read is checked here, before training starts:
 a missing, empty or malformed data directory, a damaged or malformed
@@ -23,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms
 
 from parallelx import warn
 from parallelx.errors import ParallelxError
+from parallelx.utils import threads_per_process
 
 if TYPE_CHECKING:
-    from parallelx import ShardedSampler
+    from parallelx import Backend, ShardedSampler
 
 CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -43,6 +46,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 #: official CIFAR-10 md5 sums.
 GENERATED_MARKER = "GENERATED_BY_PARALLELX"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+#: The text file of the GPT recipe's ``--data-dir`` (nanoGPT's name for it).
+TEXT_FILE = "input.txt"
 DOGCAT_CLASSES = ("cat", "dog")
 #: The command that writes stand-in data, as this package is named here
 #: (``recipes`` in a checkout, ``parallelx.recipes`` when installed).
@@ -502,6 +507,72 @@ def load_dogcat(
     )
 
 
+# ---------------------------------------------------------------- text
+def read_text(data_dir: str | Path) -> str:
+    """The text of ``data_dir/input.txt`` (or of ``data_dir`` itself, a file),
+    UTF-8, checked to be there, readable and not empty."""
+    d = Path(data_dir)
+    path = d if d.is_file() else d / TEXT_FILE
+    if not path.is_file():
+        raise ParallelxError(
+            f"no text at {path}: pass --data-dir pointing at a folder holding {TEXT_FILE} (or the file "
+            f"itself), generate one with `{MAKE_DATA} text --out DIR`, or leave --data-dir out to train "
+            "on a generated text"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParallelxError(
+            f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start : exc.start + 1]!r}); "
+            "convert it with `iconv -t utf-8`"
+        ) from None
+    except OSError as exc:
+        raise ParallelxError(f"cannot read {path} ({exc.strerror or exc})") from None
+    if not text:
+        raise ParallelxError(f"{path} is empty; expected the text to train on")
+    return text
+
+
+class CharWindows(Dataset):
+    """Windows of ``block_size + 1`` consecutive tokens of ``tokens``, one every
+    ``block_size``: sample ``i`` is ``(x, y)``, ``x`` the window's first
+    ``block_size`` tokens and ``y`` the same shifted by one (each position's
+    next token).  An epoch covers the text once."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if len(tokens) < block_size + 1:
+            raise ParallelxError(
+                f"{len(tokens)} characters cannot fill one window of --block-size {block_size} plus its "
+                f"next character; use a longer text or a --block-size below {max(1, len(tokens) - 1)}"
+            )
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = self.tokens[start : start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def char_datasets(text: str, block_size: int, val_fraction: float = 0.1) -> tuple[CharWindows, CharWindows, list[str]]:
+    """(train, val, vocabulary) of a character-level model: every distinct
+    character is a token (sorted, so the ids depend on the text alone); the
+    first ``1 - val_fraction`` of the text trains, the rest validates."""
+    vocab = sorted(set(text))
+    ids = {c: i for i, c in enumerate(vocab)}
+    tokens = torch.tensor([ids[c] for c in text], dtype=torch.long)
+    cut = int(len(tokens) * (1 - val_fraction))
+    if min(cut, len(tokens) - cut) < block_size + 1:
+        raise ParallelxError(
+            f"a text of {len(text)} characters split {1 - val_fraction:.0%}/{val_fraction:.0%} leaves "
+            f"{min(cut, len(tokens) - cut)} characters to one side, less than one window of --block-size "
+            f"{block_size} plus one; use a longer text, a smaller --block-size or another --val-fraction"
+        )
+    return CharWindows(tokens[:cut], block_size), CharWindows(tokens[cut:], block_size), vocab
+
+
 # --------------------------------------------- reproducible augmentation
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one sample's augmentation: a mix of the run's seed, the
@@ -555,3 +626,80 @@ class SeededSamples(Dataset):
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             x, y = self.dataset[index]
         return x, y, index
+
+
+# ------------------------------------------------------------------ loaders
+def default_num_workers(local_world_size: int) -> int:
+    """Loader workers per process: this process's share of the cores, less
+    the one that trains, at most 8.  0 (load in the training process) when a
+    process has a single core: more workers would only fight over it."""
+    return min(8, threads_per_process(local_world_size) - 1)
+
+
+def make_loader(
+    backend: Backend,
+    dataset: Dataset,
+    sampler: ShardedSampler,
+    *,
+    batch_size: int,
+    num_workers: int | None,
+    seed: int,
+    seeded_augmentation: bool = False,
+) -> DataLoader:
+    """The loader of one split, drawing this rank's shard from ``sampler``.
+
+    - ``num_workers`` None: :func:`default_num_workers`, sized per process
+      (not ``cpu_count()`` in every process);
+    - random augmentations differ between ranks (the loader's generator is
+      seeded by rank); the shuffle does not (the sampler's);
+    - ``seeded_augmentation``: batches are ``(x, y, index)`` and each sample's
+      augmentation depends on (seed, epoch, index) only (:class:`SeededSamples`),
+      which an exact resume needs;
+    - an error raised in a loader worker arrives as its own one-line message.
+    """
+    workers = default_num_workers(backend.local_world_size) if num_workers is None else num_workers
+    share = threads_per_process(backend.local_world_size)
+    if workers > share:
+        warn(
+            f"--num-workers {workers} is more than this process's share of the CPU cores ({share}); "
+            "the extra workers only compete for them"
+        )
+    return _Loader(
+        SeededSamples(dataset, seed) if seeded_augmentation else dataset,
+        batch_size=batch_size,
+        sampler=EpochKeys(sampler) if seeded_augmentation else sampler,
+        num_workers=workers,
+        pin_memory=backend.device.type == "cuda",
+        persistent_workers=workers > 0,
+        worker_init_fn=_own_process_group,
+        generator=torch.Generator().manual_seed(seed + 1000 * backend.rank),
+    )
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose workers' errors arrive with their own message: the
+    DataLoader re-raises them with the worker's traceback added, many lines
+    where the recipes print one."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        try:
+            yield from super().__iter__()
+        except ParallelxError as exc:
+            raise ParallelxError(_worker_message(str(exc))) from None
+
+
+def _worker_message(message: str) -> str:
+    marker = "ParallelxError: "
+    if "Original Traceback" in message and marker in message:
+        return message.rsplit(marker, 1)[1].strip()
+    return message
+
+
+def _own_process_group(worker_id: int) -> None:
+    """Loader workers leave their training process's process group: torchrun
+    sends SIGTERM to that whole group, and a loader worker that dies of it
+    takes its training process down before that process can save its
+    checkpoint (see ``parallelx.Preemption``).  Workers still end with the
+    loader (which may SIGTERM them itself), or within seconds of their
+    training process."""
+    os.setpgid(0, 0)

@@ -4,6 +4,7 @@ their plot (``training_results.png``).  Written by the main rank only."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict
@@ -11,12 +12,42 @@ from pathlib import Path
 from typing import Any
 
 from parallelx import Backend
+from parallelx.errors import ParallelxError
 
-from .config import FitConfig
+#: The options ``metrics.json`` records under "config" (those a recipe has).
+CONFIG_KEYS = (
+    "epochs",
+    "batch_size",
+    "out_dir",
+    "seed",
+    "num_workers",
+    "max_steps",
+    "lr_schedule",
+    "warmup_epochs",
+    "checkpoint_every",
+    "resume",
+    "keep_checkpoints",
+)
+
+
+def make_out_dir(backend: Backend, out: Path) -> None:
+    """The main rank creates ``out``; a failure stops every rank (the others
+    would otherwise train on and wait for it in the first collective)."""
+    error = None
+    if backend.is_main():
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = f"cannot create the output directory {out} ({exc.strerror or exc}); choose another --out-dir"
+    error = backend.broadcast(error, src=0)
+    if error is not None:
+        raise ParallelxError(error)
 
 
 def epoch_row(epoch: int, train: dict[str, Any], val: dict[str, Any]) -> dict[str, float]:
-    """One line of ``history.csv``, from the two passes' results (``run_epoch``)."""
+    """One line of ``history.csv``, from the two passes' figures: ``MetricSums``'
+    ``loss``, ``acc`` and ``count``, the pass's ``seconds``, and for training
+    ``lr``, ``grad_norm``, ``steps`` and ``skipped``."""
     return {
         "epoch": epoch,
         "train_loss": train["loss"],
@@ -35,7 +66,7 @@ def epoch_row(epoch: int, train: dict[str, Any], val: dict[str, Any]) -> dict[st
 
 def final_metrics(
     backend: Backend,
-    cfg: FitConfig,
+    args: argparse.Namespace,
     history: list[dict[str, float]],
     *,
     best_acc: float,
@@ -54,9 +85,16 @@ def final_metrics(
         "backend": backend.name,
         "world_size": backend.world_size,
         "train_images_per_s": sum(h["train_images_per_s"] for h in history) / len(history),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "config": run_config(args),
         "loop": asdict(backend.options),
         **(run_info or {}),
+    }
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's options as ``metrics.json`` records them."""
+    return {
+        k: str(v) if isinstance(v, Path) else v for k in CONFIG_KEYS if hasattr(args, k) for v in [getattr(args, k)]
     }
 
 
@@ -82,7 +120,9 @@ def plot(path: Path, history: list[dict[str, float]]) -> None:
     import matplotlib.pyplot as plt
 
     epochs = [h["epoch"] for h in history]
-    fig, (ax_acc, ax_loss, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
+    keys = [k for k in ("acc", "loss") if f"train_{k}" in history[0]]  # a language model has no accuracy
+    fig, axes = plt.subplots(1, len(keys) + 1, figsize=(5 * (len(keys) + 1), 4))
+    ax_lr = axes[-1]
     ax_lr.plot(epochs, [h["lr"] for h in history], "o-", color="tab:green", label="lr (end of epoch)")
     ax_lr.set_xlabel("epoch")
     ax_lr.set_ylabel("learning rate")
@@ -93,7 +133,7 @@ def plot(path: Path, history: list[dict[str, float]]) -> None:
     ax_lr.legend(loc="upper left")
     ax_norm.legend(loc="upper right")
     ax_lr.xaxis.get_major_locator().set_params(integer=True)
-    for ax, key in ((ax_acc, "acc"), (ax_loss, "loss")):
+    for ax, key in zip(axes, keys):
         ax.plot(epochs, [h[f"train_{key}"] for h in history], "o-", label="train")
         ax.plot(epochs, [h[f"val_{key}"] for h in history], "o-", label="val")
         ax.set_xlabel("epoch")

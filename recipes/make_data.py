@@ -2,17 +2,21 @@
 
     python -m recipes.make_data cifar10 --out data/cifar10 --train 5000 --test 1000
     python -m recipes.make_data dogcat  --out data/dogcat  --per-class 500 [--csv]
+    python -m recipes.make_data text    --out data/text    --chars 300000
 
 ``cifar10`` writes ``OUT/cifar-10-batches-py`` exactly as the official Python
 release lays it out (``data_batch_1`` .. ``data_batch_5``, ``test_batch``,
 ``batches.meta``: pickled dicts with ``data`` as N x 3072 uint8 rows, R then G
 then B planes, and ``labels``), plus a marker file, since its md5 sums cannot
 match the official ones.  ``dogcat`` writes Kaggle's layout, ``OUT/train/cat.0.jpg``
-and ``OUT/train/dog.0.jpg``, as JPEGs of varied sizes.
+and ``OUT/train/dog.0.jpg``, as JPEGs of varied sizes.  ``text`` writes
+``OUT/input.txt``, UTF-8 prose for the character-level GPT.
 
 Each class has its own colour and shape statistics under heavy noise, so a
 model trained on the data visibly learns (far above chance within an epoch or
-two) without the task being trivial.
+two) without the task being trivial.  The text is sentences of invented words
+under a small grammar: a character model learns the spelling, the spacing and
+the punctuation within a minute, the order of the words more slowly.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from parallelx.cli import exit_on_error
 from parallelx.errors import ParallelxError
 
 from .common import RecipeParser, check_out_dir, int_at_least, positive_int, seed
-from .data import CIFAR_DIR, GENERATED_MARKER
+from .data import CIFAR_DIR, GENERATED_MARKER, TEXT_FILE
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -151,6 +155,58 @@ def make_dogcat(out: Path, n_per_class: int = 500, seed: int = 0, csv: bool = Fa
     return out
 
 
+#: Parts of speech of the generated text and how many invented words each has.
+_WORD_CLASSES = {"noun": 60, "verb": 40, "adjective": 30, "adverb": 12}
+_SENTENCES = (
+    ("the", "adjective", "noun", "verb", "the", "noun"),
+    ("a", "noun", "verb", "adverb"),
+    ("the", "noun", "and", "the", "noun", "verb", "a", "adjective", "noun"),
+    ("every", "noun", "adverb", "verb", "the", "adjective", "noun"),
+    ("no", "noun", "verb", "when", "the", "noun", "verb"),
+)
+
+
+def generate_text(n_chars: int = 300_000, seed: int = 0) -> str:
+    """Seeded prose of at least ``n_chars`` characters: sentences of invented
+    words (a vocabulary of each part of speech, words drawn with a skewed
+    frequency as in real text), capitalised, with commas and paragraphs."""
+    if n_chars < 1:
+        raise ParallelxError(f"text needs --chars >= 1, got {n_chars}")
+    rng = np.random.default_rng(seed)
+    consonants, vowels = "bcdfghklmnprstvwz", "aeiou"
+
+    def word(syllables: int) -> str:
+        return "".join(rng.choice(list(consonants)) + rng.choice(list(vowels)) for _ in range(syllables))
+
+    vocab = {kind: [word(int(rng.integers(1, 4))) for _ in range(n)] for kind, n in _WORD_CLASSES.items()}
+    vocab["verb"] = [w + "s" for w in vocab["verb"]]
+    vocab["adverb"] = [w + "ly" for w in vocab["adverb"]]
+    # Zipf-like frequencies, drawn through the cumulative sums (np.random's choice with p= is slow per word).
+    cdf = {kind: np.cumsum(1 / np.arange(1, len(words) + 1)) for kind, words in vocab.items()}
+    parts, size, in_paragraph = [], 0, 0
+    while size < n_chars:
+        pattern = _SENTENCES[int(rng.integers(len(_SENTENCES)))]
+        words = [
+            w if w not in vocab else vocab[w][int(np.searchsorted(cdf[w], rng.random() * cdf[w][-1]))] for w in pattern
+        ]
+        words = [f"{w}," if nxt == "when" else w for w, nxt in zip(words, [*pattern[1:], ""])]
+        sentence = " ".join(words)
+        sentence = sentence[0].upper() + sentence[1:] + ("." if rng.random() < 0.85 else "!")
+        in_paragraph += 1
+        end = "\n\n" if in_paragraph >= int(rng.integers(3, 8)) else " "
+        in_paragraph = 0 if end != " " else in_paragraph
+        parts.append(sentence + end)
+        size += len(sentence) + len(end)
+    return "".join(parts)
+
+
+def make_text(out: Path, n_chars: int = 300_000, seed: int = 0) -> Path:
+    """Write :func:`generate_text`'s text to ``out/input.txt``; return ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TEXT_FILE).write_text(generate_text(n_chars, seed), encoding="utf-8")
+    return out
+
+
 @exit_on_error
 def main(argv: list[str] | None = None) -> int:
     parser = RecipeParser(prog=f"python -m {__package__}.make_data", description=__doc__.splitlines()[0])
@@ -165,13 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--per-class", type=positive_int, default=500, help="images per class (default 500)")
     d.add_argument("--csv", action="store_true", help="also write train.csv (filename,label)")
     d.add_argument("--seed", type=seed, default=0)
+    t = sub.add_parser("text", help=f"UTF-8 prose in {TEXT_FILE}, for the GPT recipe")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--chars", type=positive_int, default=300_000, help="characters, at least (default 300000)")
+    t.add_argument("--seed", type=seed, default=0)
     args = parser.parse_args(argv)
     # The folder written into, so that a file in its place is reported too.
-    check_out_dir(args.out / (CIFAR_DIR if args.dataset == "cifar10" else "train"), "--out")
+    check_out_dir(args.out / {"cifar10": CIFAR_DIR, "dogcat": "train", "text": ""}[args.dataset], "--out")
     if args.dataset == "cifar10":
         where = make_cifar10(args.out, args.train, args.test, args.seed)
-    else:
+    elif args.dataset == "dogcat":
         where = make_dogcat(args.out, args.per_class, args.seed, args.csv)
+    else:
+        where = make_text(args.out, args.chars, args.seed) / TEXT_FILE
     print(f"wrote {args.dataset} to {where}")
     return 0
 

@@ -1,15 +1,23 @@
-"""The recipes' models: LeNet for CIFAR-10, torchvision's VGG16 for Dogs-vs-Cats."""
+"""The recipes' models: LeNet for CIFAR-10, torchvision's VGG16 for
+Dogs-vs-Cats, a character-level GPT; and :func:`evaluate_state_dict`, one
+process's evaluation of a classifier, the reference the recipes' distributed
+validation figures must equal."""
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
 
+from parallelx import MetricSums
 from parallelx.errors import ParallelxError
 
 #: VGG16 halves the image five times: smaller inputs leave no pixels.
@@ -210,3 +218,139 @@ def vgg16_for_dogcat(
         for p in model.features.parameters():
             p.requires_grad_(False)
     return model
+
+
+# ----------------------------------------------------------------- GPT
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 64  # the longest context
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 96
+    dropout: float = 0.1
+    bias: bool = True  # in the Linear layers and LayerNorms
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ParallelxError(
+                f"--n-embd {self.n_embd} must be a multiple of --n-head {self.n_head} (each head takes "
+                f"n_embd / n_head channels); try --n-embd {self.n_head * max(1, round(self.n_embd / self.n_head))}"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # query, key, value at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.dropout = config.n_head, config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One transformer block, pre-LayerNorm: attention, then the MLP, each around a residual."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT as nanoGPT builds it: token and position embeddings, ``n_layer``
+    pre-LN blocks of causal self-attention and MLP, a final LayerNorm, and an
+    output layer whose weight is the token embedding's (tied).  The blocks
+    live in ``transformer.h``, an ``nn.ModuleList`` inside the
+    ``transformer`` ``nn.ModuleDict``.  ``forward(idx)`` gives the logits of
+    every position, ``(B, T, vocab_size)``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+            }
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied: one tensor, trained by both uses
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        if length > self.config.block_size:
+            raise ParallelxError(
+                f"a sequence of {length} tokens is longer than the block size {self.config.block_size}"
+            )
+        t = self.transformer
+        pos = torch.arange(length, dtype=torch.long, device=idx.device)
+        x = t.drop(t.wte(idx) + t.wpe(pos))
+        for block in t.h:
+            x = block(x)
+        return self.lm_head(t.ln_f(x))
+
+
+def gpt_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
+    """AdamW's parameter groups as nanoGPT makes them: every 2-D tensor (the
+    matmul weights and the embeddings, the tied one counted once) decays,
+    the biases and LayerNorm weights do not."""
+    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once, the tied one included
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+# ---------------------------------------------------------- the reference
+def evaluate_state_dict(model: nn.Module, dataset: Dataset, batch_size: int = 256) -> dict[str, float]:
+    """Single-process evaluation of the classifier ``model`` on ``dataset``
+    (no backend): the reference the recipes' distributed val figures must equal."""
+    model.eval()
+    sums = MetricSums()
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=batch_size):
+            out = model(x)
+            sums.update(criterion(out, y), out.argmax(1) == y)
+    return sums.compute()

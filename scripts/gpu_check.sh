@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on a machine with CUDA and no network (README: "GPU check"):
+# The GPU check in one command, on a machine with CUDA and no network (docs/gpu-check.md):
 #
 #     bash scripts/gpu_check.sh            # from anywhere; finishes within 8 minutes
 #

@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 VENV="${PARALLELX_VENV:-.venv}"
 PY="$VENV/bin/python"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
+# DeepSpeed's op is built with the first ninja on PATH: this environment's, as the deepspeed backend does
+# (two ninja versions hash the same build differently and rebuild each other's).
+export PATH="$PWD/$VENV/bin:$PATH"
 start=$(date +%s)
 
 if [ ! -x "$PY" ]; then
@@ -54,8 +57,8 @@ fi
 # otherwise refuse these releases.  Other pip settings (index, proxy) still apply.
 export PIP_CONSTRAINT="$PWD/constraints.txt"
 "$PY" -m pip install --quiet --upgrade pip wheel setuptools
-echo "[setup] installing torch, torchvision, deepspeed, ray and parallelx (about 2.5 minutes from fresh)"
-"$PY" -m pip install --quiet -e ".[deepspeed,ray,dev]"
+echo "[setup] installing torch, torchvision, deepspeed, ray, the trackers, the docs tools and parallelx (about 3.5 minutes from fresh)"
+"$PY" -m pip install --quiet -e ".[deepspeed,ray,trackers,dev,docs]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
 check=$("$VENV/bin/horovodrun" --check-build)

@@ -43,6 +43,7 @@ _SHARED = {
     "test_loops.py": "core",
     "test_trainstate_launch.py": "core",
     "test_gather_launch.py": "core",
+    "test_transformers.py": "core",
     "test_slurm.py": "engines",
     "test_ray.py": "engines",
 }
@@ -56,6 +57,7 @@ _LONGEST = (
     "test_stall.py",
     "test_gpu_check.py",
     "test_recipes.py",
+    "test_check.py",
     "test_multinode.py",
     "engines",
     "test_recipe_parity.py",

@@ -127,7 +127,7 @@ def int_var(environ: Mapping[str, str], *names: str, default: int | None = None)
         value = environ.get(name)
         if value not in (None, ""):
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(str(value))
             except ValueError:
                 raise LaunchError(f"${name} must be an integer, got {value!r}") from None
     if default is None:

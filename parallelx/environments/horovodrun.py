@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from .base import ClusterEnvironment, World, int_var
 
@@ -29,6 +29,6 @@ class HorovodRun(ClusterEnvironment):
     def why(self) -> str:
         return f"HOROVOD_RANK={self.environ['HOROVOD_RANK']}"
 
-    def export(self, environ=None) -> None:  # type: ignore[no-untyped-def]
+    def export(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Nothing: Horovod forms its world from its own variables, with no
         ``torch.distributed`` rendezvous."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
 
@@ -29,5 +29,5 @@ class Local(ClusterEnvironment):
     def why(self) -> str:
         return "no launcher's variables are set"
 
-    def export(self, environ=None) -> None:  # type: ignore[no-untyped-def]
+    def export(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Nothing: a backend that needs a rendezvous for its world of one makes its own."""

@@ -21,7 +21,7 @@ unless this process already has (a Ray worker always has).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ class RayTrain(ClusterEnvironment):
         where = f"world rank {ctx.get_world_rank()} of {ctx.get_world_size()}" if ctx is not None else "no context"
         return f"ray.train.get_context(): {where}"
 
-    def export(self, environ=None) -> None:  # type: ignore[no-untyped-def]
+    def export(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Nothing: Ray set the variables and made the process group."""
 
     def checkpoint_saved(self, path: Path, step: int) -> None:

@@ -1,6 +1,6 @@
 """The GPU check: parallelx's paths that only run on CUDA, checked in one command
 (``bash scripts/gpu_check.sh`` there, ``scripts/gpu_check.py --dry-run`` on a CPU;
-the README's "GPU check" says what it checks).
+docs/gpu-check.md says what it checks).
 
 Every step has a timeout, the run a deadline, and the report is rewritten
 after every step, so that a run cut short still says how far it got.

@@ -348,8 +348,7 @@ class GpuCheck(Check):
         import torch
 
         from parallelx.recipes.data import load_cifar10, load_dogcat
-        from parallelx.recipes.engine import evaluate_state_dict
-        from parallelx.recipes.models import LeNet, vgg16_for_dogcat
+        from parallelx.recipes.models import LeNet, evaluate_state_dict, vgg16_for_dogcat
 
         if recipe == "cifar10":
             model = LeNet()

@@ -39,15 +39,16 @@ def count_syncs(device: Any) -> Iterator[list[int]]:
 
 
 def sync_worker(plan_file: Path) -> int:
-    """The recipes' loop (``run_epoch``) and the plain framework's loop on the
-    same loader, each run for a short and a long number of steps: the
-    differences give per-step figures free of set-up and end-of-pass costs."""
+    """The recipes' training loop (as ``recipes/cifar10.py`` writes it) and the
+    plain framework's loop on the same loader, each run for a short and a long
+    number of steps: the differences give per-step figures free of set-up and
+    end-of-pass costs."""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    import parallelx
     from benchmarks import plain, px_worker, workload
-    from parallelx.recipes.engine import run_epoch
 
     p = json.loads(plan_file.read_text())
     case = workload.Case(model="lenet", batch=p["batch"], image_size=32, warmup=0, steps=1, lr=0.01)
@@ -75,9 +76,24 @@ def sync_worker(plan_file: Path) -> int:
         base = workload.build_model(case)
         model, optimizer = backend.setup(base, workload.make_optimizer(base, case))
         criterion = nn.CrossEntropyLoss(reduction="none")
-        loops: dict[str, Callable[[int], None]] = {
-            "parallelx": lambda k: run_epoch(backend, model, loader, criterion, optimizer=optimizer, max_steps=k)
-        }
+
+        def recipe_loop(k: int) -> None:
+            # The recipes' step: backend.batches, autocast, backward, step, the metric sums, a global figure.
+            model.train()
+            sums = parallelx.MetricSums(loader.sampler)
+            for i, (x, y) in enumerate(backend.batches(loader, limit=k)):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with backend.autocast():
+                    out = model(x)
+                    losses = criterion(out, y)
+                backend.backward(losses.mean())
+                backend.step(optimizer)
+                sums.update(losses, out.argmax(1) == y)
+                if backend.is_main() and i % 10 == 0:  # the progress bar's loss, as the recipes show it
+                    losses.mean().item()
+            sums.compute(backend)
+
+        loops: dict[str, Callable[[int], None]] = {"parallelx": recipe_loop}
         if p["backend"] in plain.FRAMEWORKS:
             world = plain.World(backend.rank, backend.local_rank, backend.world_size, device)
             plain_step, _ = plain.FRAMEWORKS[p["backend"]][1](case, world)

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
-    out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
+    out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/support/core_runs.py)
     return {
         "out": out / "dist",
         "reports": section_reports(request.param, "dist", tmp_path_factory),

@@ -53,8 +53,8 @@ def test_example_runs_and_agrees_under_every_launcher(run, tmp_path):
     assert saved.keys() == {"model", "optimizer", "epochs"} and saved["epochs"] == EPOCHS
     assert saved["optimizer"]["state"], "the optimizer's momentum was not saved"
 
-    from recipes.engine import evaluate_state_dict
     from recipes.example import make_datasets, make_model
+    from recipes.models import evaluate_state_dict
 
     # The distributed validation (each rank its shard, the padding left out) is
     # what one process computes with the saved weights.

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def job(request, tmp_path_factory):
-    _, res = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/launcher/conftest.py)
+    _, res = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/support/core_runs.py)
     reports = section_reports(request.param, "gather", tmp_path_factory)
     assert [rep["world_size"] for rep in reports] == [2, 2]
     _OUTPUT[request.param] = res.output

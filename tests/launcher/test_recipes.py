@@ -82,8 +82,7 @@ def test_cifar10_recipe(backend, cifar_dir, tmp_path):
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "single"])
 def test_dogcat_recipe(backend, dogcat_dir, tmp_path):
     from recipes.data import load_dogcat
-    from recipes.engine import evaluate_state_dict
-    from recipes.models import vgg16_for_dogcat
+    from recipes.models import evaluate_state_dict, vgg16_for_dogcat
 
     out = tmp_path / "out"
     res = run_recipe(

@@ -1,23 +1,21 @@
 """Gathering and synchronised BatchNorm in-process: the world-of-one backends,
 the sampler's order bookkeeping, and the protocol's own logic in a world of
 threads (each thread a rank; collectives meet at a barrier).  The launcher
-tests are in ``tests/test_gather_launch.py``."""
+tests are in ``tests/launcher/test_gather_launch.py``."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from threads import ThreadBackend, in_threads
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import parallelx
 from parallelx import ParallelxError, ShardedSampler
 from parallelx.batchnorm import SyncBatchNorm
-from parallelx.protocol import Backend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,85 +113,6 @@ def test_sync_batchnorm_in_a_world_of_one_changes_nothing(single):
 
 
 # ------------------------------------------------------- a world of threads
-class _Meeting:
-    """Each rank's contribution, exchanged at a barrier."""
-
-    def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world, timeout=20)
-        self.slots: list[Any] = [None] * world
-
-    def exchange(self, rank: int, value: Any) -> list[Any]:
-        self.slots[rank] = value
-        self.barrier.wait()
-        seen = list(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before all have read it
-        return seen
-
-
-class ThreadBackend(Backend):
-    """A backend whose ranks are threads of this process: the protocol's own
-    logic (shape agreement, ordering, the generic synchronised BatchNorm)
-    with the smallest possible primitives beneath it."""
-
-    name = "threads"
-
-    def __init__(self, meeting: _Meeting, rank: int) -> None:
-        super().__init__(device="cpu", verbose=False)
-        self.meeting, self.thread_rank = meeting, rank
-
-    def _init(self) -> None:
-        self._rank = self.thread_rank  # not log.set_rank: that is per process
-        self._world_size = len(self.meeting.slots)
-
-    def init(self) -> ThreadBackend:  # no CPU-thread limits or atexit hooks for a thread
-        self._init()
-        self._initialized = True
-        return self
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        parts = self.meeting.exchange(self.rank, tensor.clone())
-        return {
-            "sum": lambda: torch.stack(parts).sum(0),
-            "max": lambda: torch.stack(parts).amax(0),
-            "min": lambda: torch.stack(parts).amin(0),
-        }[op]()
-
-    def barrier(self) -> None:
-        self.meeting.exchange(self.rank, None)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.meeting.exchange(self.rank, obj)[src]
-
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t.clone() for t in self.meeting.exchange(self.rank, tensor)]
-
-
-def in_threads(world: int, body: Callable[[ThreadBackend], Any]) -> list[Any]:
-    """Run ``body(backend)`` on ``world`` thread-ranks; their results by rank (an exception is re-raised)."""
-    meeting = _Meeting(world)
-    results: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(ThreadBackend(meeting, rank).init())
-        except BaseException as exc:  # handed to the test below
-            results[rank] = exc
-            meeting.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, threading.BrokenBarrierError):
-            raise r
-    return results
-
-
 def test_uneven_rows_and_mismatches_in_a_world_of_three():
     def body(b: ThreadBackend) -> Any:
         rows = b.all_gather(torch.full((b.rank, 2), b.rank))  # rank 0 gives no rows

@@ -1,7 +1,7 @@
 """One launch, every launcher-tier check that needs only a backend: the
 protocol (``dist_worker``), gathering and BatchNorm (``gather_worker``),
-training-state checkpoints (``trainstate_worker``) and the training-loop
-options (``loop_worker``), one after the other on the same backend, so each
+training-state checkpoints (``trainstate_worker``), a GPT as users train one
+(``transformer_worker``) and the training-loop options (``loop_worker``), one after the other on the same backend, so each
 backend case costs one launch instead of four.
 
     torchrun --nproc-per-node 2 tests/support/core_worker.py --backend ddp --out DIR [--load-from DIR]
@@ -22,11 +22,18 @@ import dist_worker
 import gather_worker
 import loop_worker
 import trainstate_worker
+import transformer_worker
 
 import parallelx
 
 # trainstate before loops: the loop section changes the backend's loop options as it goes.
-SECTIONS = {"dist": dist_worker, "gather": gather_worker, "trainstate": trainstate_worker, "loops": loop_worker}
+SECTIONS = {
+    "dist": dist_worker,
+    "gather": gather_worker,
+    "trainstate": trainstate_worker,
+    "transformer": transformer_worker,
+    "loops": loop_worker,
+}
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """One launch, many checks: run under torchrun, horovodrun or the deepspeed
 launcher (or plain python for single/dp) and write ``rank<N>.json`` with what
-each rank saw.  ``tests/test_distributed.py`` asserts on those files.
+each rank saw.  ``tests/launcher/test_distributed.py`` asserts on those files.
 
     torchrun --nproc-per-node 2 tests/support/dist_worker.py --backend ddp --out DIR
 

@@ -1,5 +1,5 @@
 """A training script for an elastic run (``backend.run_elastic``), started by
-tests/test_elastic.py under ``horovodrun --min-np 1 --max-np 2
+tests/system/test_elastic.py under ``horovodrun --min-np 1 --max-np 2
 --host-discovery-script``.
 
 ``train()`` is written the elastic way: each call builds the model, the

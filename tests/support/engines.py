@@ -140,8 +140,7 @@ def assert_exact_metrics(out: Path, data: Path, backend: str, world: int = 2) ->
     """metrics.json names the backend and world, and its accuracy is what one
     process computes from best.pth."""
     from recipes.data import load_cifar10
-    from recipes.engine import evaluate_state_dict
-    from recipes.models import LeNet
+    from recipes.models import LeNet, evaluate_state_dict
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert (metrics["backend"], metrics["world_size"]) == (backend, world)

@@ -1,6 +1,6 @@
 """One launch, every gathering and synchronised-BatchNorm check: run under
 torchrun, horovodrun or the deepspeed launcher with 2 processes; each rank
-writes ``rank<N>.json`` with what it saw, and ``tests/test_gather_launch.py``
+writes ``rank<N>.json`` with what it saw, and ``tests/launcher/test_gather_launch.py``
 asserts on those files.
 
     torchrun --nproc-per-node 2 tests/support/gather_worker.py --backend ddp --out DIR

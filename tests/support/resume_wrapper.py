@@ -1,8 +1,11 @@
-"""A recipe with faults injected, for tests/test_resume.py and test_multinode.py.
+"""A recipe with faults injected, for the resume, elastic, multi-node, Slurm and Ray tests.
 
 Runs ``recipes.<PXT_RECIPE>.main()`` (``cifar10`` by default, or ``dogcat``)
-unchanged, after patching three places to fail on purpose, as the
-environment says:
+unchanged.  The faults are driven from outside the recipe, through what every
+training script calls: parallelx's ``Backend.step`` (after each optimizer
+step), its checkpoint file writes, and the samplers' passes (a pass of a
+sampler that does not shuffle is a validation pass).  What happens is set by
+the environment:
 
 ``PXT_ACTIONS``  ``attempt:what@k:rank`` items separated by ``;``, where
                  attempt is ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun),
@@ -15,7 +18,9 @@ environment says:
                  ``val``    SIGKILL at the start of its k-th validation pass.
 ``PXT_DELAY``    seconds to sleep after every optimizer step (so that a test
                  can act from outside while the job runs).
-``PXT_SAMPLES``  a folder: each rank appends the dataset indices it trains on there.
+``PXT_SAMPLES``  a folder: each rank appends the dataset indices it trains on there
+                 (with loader workers the sampler runs ahead of training: use it
+                 with ``--num-workers 0``).
 ``PXT_PIDS``     a folder: this process writes ``rank<R>-attempt<A>.pid`` there.
 """
 
@@ -31,8 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import parallelx.trainstate
-import recipes.engine
-from parallelx.protocol import Backend
+from parallelx import Backend, ShardedSampler
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or "0")
@@ -90,51 +94,39 @@ def write(obj, path):  # type: ignore[no-untyped-def]
     return _write(obj, path)
 
 
-_run_epoch = recipes.engine.run_epoch
 SAMPLES = os.environ.get("PXT_SAMPLES")
+_iter = ShardedSampler.__iter__
 
 
-class LoggedLoader:
-    """The training loader, appending each batch's real dataset indices (the
-    sampler's padding left out) to ``PXT_SAMPLES/samples-<pid>.txt`` as
-    ``epoch i j k ...`` lines: how the tests see that a resumed epoch trains
-    on every sample exactly once."""
-
-    def __init__(self, loader, epoch: int) -> None:  # type: ignore[no-untyped-def]
-        self.loader, self.epoch = loader, epoch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        return getattr(self.loader, name)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        sampler = recipes.engine._sharded(self.loader)
-        position = 0
-        Path(SAMPLES).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
-        with open(Path(SAMPLES) / f"samples-{os.getpid()}.txt", "a") as log:  # type: ignore[arg-type]
-            for batch in self.loader:
-                real = sampler.real_mask(position, len(batch[1]))
-                log.write(f"{self.epoch} {' '.join(str(int(i)) for i in batch[2][real])}\n")
+def logged(sampler: ShardedSampler, indices):  # type: ignore[no-untyped-def]
+    """The indices of a training pass, each real one (the padding duplicates
+    left out) appended to ``PXT_SAMPLES/samples-<pid>.txt`` as an ``epoch
+    index`` line as the loader draws it: how the tests see that a resumed
+    epoch trains on every sample exactly once.  The epoch is the recipe's
+    (1-based) one, the sampler's pass plus one."""
+    Path(SAMPLES).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+    epoch = sampler.last_epoch + 1  # type: ignore[operator]
+    with open(Path(SAMPLES) / f"samples-{os.getpid()}.txt", "a") as log:  # type: ignore[arg-type]
+        for position, index in enumerate(indices):
+            if position < sampler.num_real:
+                log.write(f"{epoch} {index}\n")
                 log.flush()
-                position += len(batch[1])
-                yield batch
+            yield index
 
 
-def run_epoch(backend, model, loader, *args, **kwargs):  # type: ignore[no-untyped-def]
-    if kwargs.get("optimizer") is None:
+def sampler_iter(self):  # type: ignore[no-untyped-def]
+    indices = _iter(self)
+    if not self.shuffle:  # the recipes' validation sampler
         _count["val"] += 1
         if ACTIONS.get("val") == _count["val"]:
             _die(f"SIGKILL at the start of validation pass {_count['val']}")
-    elif SAMPLES:
-        loader = LoggedLoader(loader, kwargs.get("epoch", 0))
-    return _run_epoch(backend, model, loader, *args, **kwargs)
+        return indices
+    return logged(self, indices) if SAMPLES else indices
 
 
 Backend.step = step  # type: ignore[method-assign]
 parallelx.trainstate._write = write
-recipes.engine.run_epoch = run_epoch
+ShardedSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
 
 if os.environ.get("PXT_PIDS"):
     Path(os.environ["PXT_PIDS"]).mkdir(parents=True, exist_ok=True)

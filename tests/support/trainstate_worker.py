@@ -6,11 +6,11 @@
 For SGD with momentum and for AdamW: train 3 steps, save, train 2 more
 (weights A); then build everything afresh (other initial weights), load the
 checkpoint and train 2 steps (weights B).  Rank 0 writes
-``DIR/result-<optimizer>.pt`` for ``tests/test_trainstate_launch.py``.  With
+``DIR/result-<optimizer>.pt`` for ``tests/launcher/test_trainstate_launch.py``.  With
 ``--load-from RUN_DIR`` it only loads the newest checkpoint under
 ``RUN_DIR/<optimizer>`` (written by another backend) and trains 2 steps.
 
-The helpers (``Run``) are also used in-process by ``tests/test_trainstate.py``.
+The helpers (``Run``) are also used in-process by ``tests/unit/test_trainstate.py``.
 """
 
 from __future__ import annotations

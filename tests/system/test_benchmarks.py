@@ -1,12 +1,12 @@
 """The benchmark suite end to end, at its smallest setting: every backend
 through parallelx and through its plain script, under the real launchers.
 
-    python -m pytest tests/test_benchmarks.py
+    python -m pytest tests/system/test_benchmarks.py
 
 Only that it runs and what it checks are asserted (results for every
 backend, parallelx's final weights equal to the plain scripts'); never
 timings, which mean nothing on a shared CI machine.  The same-process part
-is left to ``tests/test_parity.py``, which runs the same worker.
+is left to ``tests/launcher/test_parity.py``, which runs the same worker.
 """
 
 from __future__ import annotations

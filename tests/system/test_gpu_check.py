@@ -3,7 +3,7 @@ package) in its CPU dry run, so that it cannot rot between the rare runs on a
 GPU machine; the carried-wheels folder logic of ``scripts/gpu_wheels.py``
 without downloading; ``gpu_check.sh``'s syntax.
 
-    python -m pytest tests/test_gpu_check.py
+    python -m pytest tests/system/test_gpu_check.py
 """
 
 from __future__ import annotations

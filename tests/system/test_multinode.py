@@ -13,7 +13,7 @@ from the one-machine job's; with equal thread counts they are identical.
 ``--num-workers 0`` for the same reason: the default is a share of one
 machine's cores, and other loader workers draw other random flips.
 
-The README's "More than one machine" shows the same commands for a real
+docs/engines.md ("More than one machine") shows the same commands for a real
 cluster.
 """
 

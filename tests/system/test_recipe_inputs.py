@@ -1,9 +1,10 @@
 """Bad input to the recipes: a clear message and exit status 2, no traceback.
-Plus the data formats, model loading and the engine's per-epoch shuffle.
+Plus the data formats, model loading, the loaders' per-epoch shuffle and the schedules.
 (The full catalogue of bad inputs is in test_recipe_validation.py.)"""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -187,53 +188,44 @@ def test_generated_cifar10_is_the_official_pickle_layout(tmp_path):
         assert pickle.load(f, encoding="latin1")["label_names"][0] == "airplane"
 
 
-def test_engine_loader_reshuffles_every_epoch_and_workers_are_per_process():
+def test_loader_reshuffles_every_epoch_and_workers_are_per_process():
     import parallelx
-    from recipes.engine import FitConfig, _loader, default_num_workers
+    from recipes.data import default_num_workers, make_loader
 
     backend = parallelx.get_backend("single")
     backend.init()
     data = torch.utils.data.TensorDataset(torch.arange(40), torch.zeros(40, dtype=torch.long))
-    loader = _loader(
-        backend, data, FitConfig(epochs=2, batch_size=8, out_dir=Path("unused"), num_workers=0), train=True
-    )
+    sampler = backend.make_sampler(data, shuffle=True, seed=0)
+    loader = make_loader(backend, data, sampler, batch_size=8, num_workers=0, seed=0)
     first = torch.cat([x for x, _ in loader]).tolist()
     second = torch.cat([x for x, _ in loader]).tolist()
     assert sorted(first) == sorted(second) == list(range(40)) and first != second
+    keyed = make_loader(backend, data, sampler, batch_size=8, num_workers=0, seed=0, seeded_augmentation=True)
+    x, _, index = next(iter(keyed))
+    assert torch.equal(x, index), "batches carry each sample's dataset index"
     cores = len(os.sched_getaffinity(0))
     assert default_num_workers(cores) == 0  # one core per process: load in-process
     assert default_num_workers(1) == min(8, cores - 1)
 
 
-def test_fit_config_rejects_nonsense():
-    from parallelx.errors import ParallelxError
-    from recipes.engine import FitConfig
+def test_schedules_warm_up_then_follow_their_shape():
+    from recipes.common import make_scheduler
 
-    with pytest.raises(ParallelxError, match="--epochs must be >= 1"):
-        FitConfig(epochs=0, batch_size=1, out_dir=Path("x"))
-    with pytest.raises(ParallelxError, match="--batch-size must be >= 1"):
-        FitConfig(epochs=1, batch_size=0, out_dir=Path("x"))
+    def lrs(kind: str, **kw) -> list[float]:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = make_scheduler(opt, kind, **kw)
+        seen = []
+        for _ in range(kw["steps"]):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
 
-
-def test_run_epoch_leaves_the_samplers_padding_out():
-    import parallelx
-    from parallelx.sampler import ShardedSampler
-    from recipes.engine import run_epoch
-
-    backend = parallelx.get_backend("single")
-    backend.init()
-    # Rank 1 of 2 over 5 samples: positions 1, 3 are real, the third is padding.
-    data = torch.utils.data.TensorDataset(torch.eye(5), torch.arange(5))
-    sampler = ShardedSampler(data, num_replicas=2, rank=1, shuffle=False)
-    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
-    model = torch.nn.Linear(5, 5)
-    with torch.no_grad():
-        model.weight.copy_(torch.eye(5))
-        model.bias.zero_()
-    result = run_epoch(backend, model, loader, torch.nn.CrossEntropyLoss(reduction="none"))
-    assert result["count"] == 2 and result["acc"] == 1.0
-    again = run_epoch(backend, model, loader, torch.nn.CrossEntropyLoss(reduction="none"))
-    assert again["count"] == 2, "a second pass counts afresh"
+    assert lrs("constant", steps=4, warmup_steps=3) == [0.25, 0.5, 0.75, 1.0]
+    assert lrs("step", steps=8, warmup_steps=0) == [1.0] * 4 + [0.1] * 2 + [0.01] * 2
+    cosine = lrs("cosine", steps=6, warmup_steps=1, floor=0.1)
+    assert cosine[:2] == [0.5, 1.0] and cosine[1:] == sorted(cosine[1:], reverse=True)
+    assert cosine[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 5)))
 
 
 class _BrokenImages(torch.utils.data.Dataset):
@@ -248,16 +240,15 @@ class _BrokenImages(torch.utils.data.Dataset):
 
 def test_error_in_a_loader_worker_arrives_as_its_own_message():
     # The DataLoader re-raises a worker's error with the worker's traceback in
-    # its message; the engine passes on the message alone (one line on stderr).
+    # its message; the recipes' loaders pass on the message alone (one line on stderr).
     import parallelx
     from parallelx.errors import ParallelxError
-    from parallelx.sampler import ShardedSampler
-    from recipes.engine import run_epoch
+    from recipes.data import make_loader
 
     backend = parallelx.get_backend("single")
     backend.init()
     data = _BrokenImages()
-    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=ShardedSampler(data, shuffle=False), num_workers=1)
+    loader = make_loader(backend, data, backend.make_sampler(data, shuffle=False), batch_size=2, num_workers=1, seed=0)
     with pytest.raises(ParallelxError) as raised:
-        run_epoch(backend, torch.nn.Linear(5, 5), loader, torch.nn.CrossEntropyLoss(reduction="none"))
+        next(iter(loader))
     assert str(raised.value) == "cannot decode img0.jpg (OSError: broken data stream)"

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
 # one kept a DeepSpeed recipe hanging): Horovod's Gloo controller and
 # DeepSpeed's shared-memory all-reduce (ZeRO 0-2).  DDP and ZeRO-3's
 # reduce-scatter go through Gloo, whose own timeout ends them (DDP:
-# tests/test_failures.py).
+# tests/system/test_failures.py).
 CASES = {
     "horovod": ("horovodrun", "horovod", []),
     "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),

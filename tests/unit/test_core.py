@@ -162,21 +162,30 @@ def test_save_is_atomic_and_failure_keeps_the_old_file(tmp_path):
 
 # ------------------------------------------------------------------ protocol
 def test_a_backend_missing_a_collective_cannot_be_created():
+    from parallelx.collectives import Collectives
     from parallelx.protocol import Backend
 
-    class Forgetful(Backend):  # a multi-process backend that forgot barrier and broadcast
-        name = "forgetful"
+    class Forgetful(Collectives):  # collectives that forgot barrier and broadcast
+        def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+            return tensor
 
-        def _init(self) -> None: ...
+        def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+            return [tensor]
+
+    with pytest.raises(TypeError, match="abstract"):
+        Forgetful(0, 2)
+
+    class NoCollectives(Backend):  # joins a world of 2 but keeps the world-of-one collectives
+        name = "no-collectives"
+
+        def _init(self) -> None:
+            self._rank, self._world_size = 1, 2
 
         def _wrap_model(self, model: nn.Module) -> nn.Module:
             return model
 
-        def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-            return tensor
-
-    with pytest.raises(TypeError, match="abstract"):
-        Forgetful()
+    with pytest.raises(parallelx.ParallelxError, match="sets self.comm in _init"):
+        NoCollectives(environment=parallelx.environments.detect_environment({}, [])).init()
 
 
 def test_auto_is_a_backend_name_everywhere():

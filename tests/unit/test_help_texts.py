@@ -30,6 +30,13 @@ def _dogcat() -> tuple[argparse.ArgumentParser, str]:
     return parser, parser.format_help()
 
 
+def _gpt() -> tuple[argparse.ArgumentParser, str]:
+    from recipes.gpt import build_parser
+
+    parser = build_parser()
+    return parser, parser.format_help()
+
+
 def _plain(formatter: type[argparse.HelpFormatter]) -> Callable[[], tuple[argparse.ArgumentParser, str]]:
     def build() -> tuple[argparse.ArgumentParser, str]:
         parser = parallelx.add_arguments(argparse.ArgumentParser(formatter_class=formatter))
@@ -41,6 +48,7 @@ def _plain(formatter: type[argparse.HelpFormatter]) -> Callable[[], tuple[argpar
 PARSERS: dict[str, Callable[[], tuple[argparse.ArgumentParser, str]]] = {
     "cifar10": _cifar10,
     "dogcat": _dogcat,
+    "gpt": _gpt,
     "parallelx-plain": _plain(argparse.HelpFormatter),
     "parallelx-defaults-formatter": _plain(argparse.ArgumentDefaultsHelpFormatter),
 }

@@ -14,16 +14,46 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Bottom to top: a module may import its own layer's and lower layers' modules only.
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
-    {"settings", "state", "launch", "runner", "environments", "precision", "network"},
-    {"checkpoint", "sampler", "metrics", "buffers", "loop", "gather", "elastic", "sharded"},
+    {
+        "settings",
+        "state",
+        "launch",
+        "runner",
+        "environments",
+        "precision",
+        "network",
+        "collectives",
+        "units",
+        "throughput",
+        "profiling",
+    },
+    {
+        "checkpoint",
+        "sampler",
+        "metrics",
+        "buffers",
+        "loop",
+        "gather",
+        "elastic",
+        "sharded",
+        "gradsync",
+        "stateio",
+        "compiling",
+        "activations",
+        "lockstep",
+        "tracking",
+        "checkprobe",
+        "virtualworld",
+    },
     {"protocol"},
-    {"local", "process_group", "trainstate", "preempt"},
+    {"local", "process_group", "trainstate", "preempt", "main_process"},
     {"registry"},
-    {"cli", "envreport", "backends", "ray"},
+    {"cli", "envreport", "backends", "ray", "check", "testing"},
     {"__init__", "__main__"},
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
+HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (parallelx/tracking/)
 
 
 def modules() -> dict[str, Path]:
@@ -151,3 +181,71 @@ def test_the_checker_sees_a_circle(tmp_path):
     f = tmp_path / "f.py"
     f.write_text("def g():\n    from .sampler import ShardedSampler\n")
     assert imports(f, "parallelx/f.py")[1] == ["parallelx.sampler"]
+
+
+#: Underscore attributes of other objects that code outside backends/ may read, each with why.
+PRIVATE_READS_ALLOWED = {
+    ("os", "_exit"): "the watchdog ends a process whose waiting thread is inside C++ code",
+    ("build_parser()", "_actions"): "argparse has no public list of a parser's options",
+    ("torch.nn.modules.batchnorm", "_BatchNorm"): "torch has no public base class of its BatchNorm layers",
+    # torch documents its CUDA memory snapshots through these two functions only ("Understanding CUDA Memory Usage").
+    ("torch.cuda.memory", "_record_memory_history"): "torch's documented memory-snapshot API",
+    ("torch.cuda.memory", "_dump_snapshot"): "torch's documented memory-snapshot API",
+}
+
+
+def private_reads(path: Path) -> list[str]:
+    """``x._name`` where ``x`` is not ``self`` or ``cls`` (dunders aside), by line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        owner = node.value.id if isinstance(node.value, ast.Name) else ast.unparse(node.value)
+        if owner in ("self", "cls", "super()") or (owner, name) in PRIVATE_READS_ALLOWED:
+            continue
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {owner}.{name}")
+    return found
+
+
+def test_no_module_outside_backends_reads_private_names():
+    """The loop, gathering, state and every other part call each other's public methods only."""
+    offenders = [
+        hit for folder in ("parallelx", "recipes") for p in (ROOT / folder).rglob("*.py") for hit in private_reads(p)
+    ]
+    assert not offenders, "private names read outside backends/ (use a part's public method):\n" + "\n".join(offenders)
+
+
+def test_recipes_import_public_names_only():
+    offenders = []
+    for path in (ROOT / "recipes").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "parallelx":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(part.startswith("_") for part in node.module.split(".")):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {private}")
+            elif isinstance(node, ast.Import):
+                offenders += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}: import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] == "parallelx" and any(p.startswith("_") for p in a.name.split("."))
+                ]
+    assert not offenders, "recipes/ must use parallelx's public API:\n" + "\n".join(offenders)
+
+
+def test_the_private_read_check_sees_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g(backend, self):\n    backend._no_sync()\n    self._ok()\n    os._exit(1)\n")
+    assert [hit.split(": ")[1] for hit in private_reads_in(f)] == ["backend._no_sync"]
+
+
+def private_reads_in(path: Path) -> list[str]:
+    """:func:`private_reads` for a file outside the repository."""
+    global ROOT
+    saved, ROOT = ROOT, path.parent
+    try:
+        return private_reads(path)
+    finally:
+        ROOT = saved

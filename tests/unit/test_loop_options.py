@@ -123,7 +123,7 @@ def test_batches_without_length_and_limit():
         assert list(backend.batches(range(10), limit=3)) == [0, 1, 2]
         windows = []
         for _ in backend.batches(iter(range(5))):
-            windows.append((backend._loop.window.position, backend._loop.window.size))
+            windows.append((backend.loop.window.position, backend.loop.window.size))
         assert windows == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
 
 
@@ -138,3 +138,25 @@ def test_step_inside_a_window_does_nothing():
             results.append(backend.step(opt))
         assert results[0] is None and results[1] is not None
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_clipping_norm_adds_in_the_model_order_as_torch_does():
+    """clip_grad_norm_(model.parameters()) adds the per-parameter norms in the
+    model's order; an optimizer whose groups list them in another order must
+    still get torch's norm to the bit (the sum of squares rounds differently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(7, 7) for _ in range(6)])
+    params = list(model.parameters())
+    groups = [{"params": params[1::2]}, {"params": params[0::2]}]  # biases first, then weights
+    with parallelx.get_backend("single", clip_grad_norm=1e9) as backend:
+        wrapped, optimizer = backend.setup(model, torch.optim.SGD(groups, lr=0.0))
+        differ = 0
+        for _ in range(200):
+            for p in params:
+                p.grad = torch.randn_like(p) * torch.rand(()) * 10
+            want = torch.nn.utils.get_total_norm([p.grad for p in params])
+            in_groups = torch.nn.utils.get_total_norm([p.grad for g in groups for p in g["params"]])
+            differ += int(not torch.equal(want, in_groups))
+            got = backend.grad_sync.clip(optimizer, None)
+            assert torch.equal(got, want)
+        assert differ > 0, "the two orders never rounded apart: the check above cannot fail"

@@ -1,0 +1,33 @@
+"""A loader that does not shard: every rank shuffles the whole set with the same seed.
+
+python -m parallelx check -- tests/support/check_scripts/broken_unsharded.py
+"""
+
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import parallelx
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parallelx.add_arguments(parser)
+    args = parser.parse_args()
+    with parallelx.from_args(args) as backend:
+        parallelx.seed_everything(0)
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(512, 20, generator=g), torch.randint(0, 3, (512,), generator=g))
+        model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
+        model, optimizer = backend.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        loader = DataLoader(data, batch_size=16, shuffle=True)  # the mistake: no backend.make_sampler(data)
+        for x, y in backend.batches(loader):
+            loss = nn.functional.cross_entropy(model(x.to(backend.device)), y.to(backend.device))
+            backend.backward(loss)
+            backend.step(optimizer)
+
+
+if __name__ == "__main__":
+    main()
