@@ -292,6 +292,12 @@ def train(
                 state["steps"] += 1
                 state["skipped"] += int(result.skipped)
                 norm_sum += result.grad_norm.to(norm_sum.device)
+                # To the trackers of --logger (nothing without one): the step's last micro-batch, every rank's mean.
+                backend.log_metrics(
+                    {"train/loss": losses.mean().detach(), "lr": optimizer.param_groups[0]["lr"]},
+                    step=state["global_step"],
+                    reduce={"train/loss": "mean"},
+                )
                 if not checkpointing or i + 1 == limit:  # the pass's last step: the epoch's checkpoint follows
                     continue
                 stop = preempt.should_stop(backend)  # a collective: every rank, every step
@@ -339,6 +345,8 @@ def train(
 
             # ---- the epoch's outputs: history, best.pth, a checkpoint
             state["history"].append(epoch_row(epoch, t, v))
+            # The same line to --logger's trackers (nothing without one); "lr" is logged at every step.
+            backend.log_metrics({k: x for k, x in state["history"][-1].items() if k != "lr"}, step=state["global_step"])
             # val acc is all-reduced, so every rank takes this branch together: save is a collective.
             if v["acc"] > state["best_acc"]:
                 state["best_acc"], state["best_epoch"] = v["acc"], epoch

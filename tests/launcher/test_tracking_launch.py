@@ -198,3 +198,50 @@ def test_trackers_read_back_what_the_script_logged(run, tmp_path, monkeypatch):
         wb = read_wandb(out)
         check_series(wb, record, rel=1e-12, where="wandb")
         check_throughput(wb, record, where="wandb")
+
+
+def test_the_cifar10_recipe_logs_its_history_and_steps_to_every_tracker(tmp_path, monkeypatch):
+    """The recipe, unchanged, with ``--logger tensorboard,mlflow,csv`` under torchrun:
+    each tracker, read through its own reader, holds history.csv's validation
+    loss and accuracy of every epoch, the training loss of every optimizer step,
+    one writer each, and the throughput of the training passes."""
+    require_launcher("torchrun")
+    from recipes.make_data import make_cifar10
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data, out, logs = tmp_path / "cifar", tmp_path / "out", tmp_path / "logs"
+    make_cifar10(data, n_train=160, n_test=21, seed=0)
+    args = ["--data-dir", str(data), "--out-dir", str(out), "--epochs", "2", "--batch-size", "16", "--num-workers", "0"]
+    res = launch(
+        "torchrun",
+        [
+            "-m",
+            "recipes.cifar10",
+            "--backend",
+            "ddp",
+            *args,
+            "--logger",
+            "tensorboard,mlflow,csv",
+            "--logger-dir",
+            str(logs),
+        ],
+        timeout=240,
+    )
+    assert res.returncode == 0, res.tail()
+    with (out / "history.csv").open() as f:
+        history = list(csv.DictReader(f))
+    steps = sum(int(row["optimizer_steps"]) for row in history)
+    assert len(history) == 2 and steps == 2 * 5  # 160 images, 2 ranks of 16
+    for where, series in (
+        ("csv", read_csv(logs)),
+        ("tensorboard", read_tensorboard(logs)),
+        ("mlflow", read_mlflow(f"sqlite:///{logs / 'mlflow.db'}")[0]),
+    ):
+        rel = 1e-6 if where == "tensorboard" else 1e-12  # event files hold float32
+        for name in ("val_loss", "val_acc", "train_loss"):
+            logged = [v for _, v in sorted(series[name])]
+            assert logged == pytest.approx([float(row[name]) for row in history], rel=rel), f"{where}: {name}"
+        assert [s for s, _ in sorted(series["train/loss"])] == list(range(1, steps + 1)), f"{where}: train/loss"
+        wall, rate = dict(series["time/interval_s"]), dict(series["throughput/samples_per_s"])
+        assert wall and wall.keys() == rate.keys(), f"{where}: throughput"
+        assert sum(rate[s] * wall[s] for s in wall) == pytest.approx(2 * 160, rel=1e-6), f"{where}: samples"
