@@ -108,7 +108,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": name,
         "rank": rank,
-        "backend": args.backend,
+        "backend": runs["eager"]["backend"].name,  # what "auto" chose
         "world_size": runs["eager"]["backend"].world_size,
         "eager_step_ms": 1e3 * statistics.median(eager),
         "compiled_step_ms": 1e3 * statistics.median(compiled),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {r['model']} | {r['backend']} | {r['world_size']} | {r['eager_step_ms']:.1f} ms | "
                 f"{r['compiled_step_ms']:.1f} ms | {r['ratio']:.2f} ({r['ratio_range'][0]:.2f}-"
-                f"{r['ratio_range'][1]:.2f}, {r['rounds']} rounds) | {r['compile_s']:.0f} s |"
+                f"{r['ratio_range'][1]:.2f}, {r['rounds']} rounds) | {r['compile_s']:.1f} s |"
             )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))

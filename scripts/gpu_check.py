@@ -126,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check.fsdp()
         check.host_sync(early)
         check.recipes("dogcat", early)
+        check.transformers()  # before Horovod's checks, to give its build more time
         if check.horovod_build is not None:
             check.finish_horovod_build(check.horovod_build)
             check.recipes("cifar10", ["horovod"])

@@ -218,7 +218,7 @@ def with_floor(d: Diff | None, floor: bool = True) -> str:
     if d is None:
         return "-"
     text = fmt(d.worst)
-    if floor and d.worst > 0 and d.floor is not None:
+    if floor and d.floor is not None:  # beside every figure, 0 included: what "the same" was judged against
         text += f" ({fmt(d.floor)})"
     if not d.ok:
         text += " !"

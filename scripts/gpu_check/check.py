@@ -28,7 +28,7 @@ ENTRY = ROOT / "scripts" / "gpu_check.py"
 #: minutes a command, so 8 leave room for its start and the transfers.
 BUDGET_S = 480.0
 RESERVE_S = 10.0  # kept free at the end for writing the report
-SECTIONS = ("install", "environment", "recipes", "throughput", "fsdp", "host-sync")
+SECTIONS = ("install", "environment", "recipes", "throughput", "fsdp", "transformers", "host-sync")
 #: Every backend the recipes run on; the in-process ones (single, dp) start one process.
 BACKENDS = ("single", "dp", "ddp", "deepspeed", "fsdp", "horovod")
 #: The backend options each recipe run adds (DeepSpeed: ZeRO-2 shards gradients and optimizer state).
@@ -39,6 +39,17 @@ PRECISIONS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16-mixed": ("--precisio
 #: more than the plain framework's: 0.1 is expected (the progress bar reads
 #: the loss every 10th step on the main rank); once per step would be 1.
 SYNC_EXCESS_LIMIT = 0.5
+#: The transformers section's GPT options: what CUDA changes under them is inductor's Triton kernels,
+#: the recomputation's replay of CUDA's random numbers, the copies between GPU and CPU memory.
+COMPILE, CHECKPOINTING, OFFLOAD = ("--compile",), ("--activation-checkpointing", "auto"), ("--cpu-offload",)
+#: The GPT recipe on each backend with each option, every one after its twin without (``()``); DeepSpeed
+#: at ZeRO-3, whose forward gathers the weights as fsdp's does.
+GPT_CASES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "ddp": ((), COMPILE),
+    "fsdp": ((), COMPILE, CHECKPOINTING, OFFLOAD),
+    "deepspeed": ((), COMPILE, CHECKPOINTING, OFFLOAD),
+}
+GPT_BACKEND_ARGS: dict[str, tuple[str, ...]] = {"deepspeed": ("--zero-stage", "3")}
 HOROVOD_CHECKS_S = 100.0  # what the Horovod recipes and loop need once it is built
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 FIGURE_SECTIONS = ("throughput", "host-sync")  # whose figures report.md shows beside each check
@@ -46,7 +57,7 @@ FIGURE_SECTIONS = ("throughput", "host-sync")  # whose figures report.md shows b
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """How much each part runs: on CUDA, and in the CPU dry run (which CI runs: about 1.5 minutes on 2 cores)."""
+    """How much each part runs: on CUDA, and in the CPU dry run (which CI runs: about 2 minutes on 2 idle cores)."""
 
     cuda: bool
     cifar_train: int
@@ -72,6 +83,12 @@ class Settings:
     sync_steps: tuple[int, int, int]  # warm-up, short, long: per-step figures are (long - short) differences
     sync_workers: int
     sync_backends: tuple[str, ...]  # whose training loop the host-sync section measures
+    gpt_args: tuple[str, ...]  # the transformers section's GPT: size, optimizer steps, precision
+    gpt_cases: dict[str, tuple[tuple[str, ...], ...]]  # those of GPT_CASES that run
+    #: A run's final val loss against its twin's. On GPUs in bf16-mixed the compiled kernels round elsewhere,
+    #: the attention's backward adds in any order, and AdamW makes whole steps of rounding noise: bf16-mixed
+    #: itself ends 2 % from float32 (10 steps on the CPU), a run that does not train 30 % above.
+    gpt_rtol: float
 
 
 CUDA = Settings(
@@ -96,6 +113,9 @@ CUDA = Settings(
     sync_steps=(5, 10, 60),
     sync_workers=4,
     sync_backends=("single", "ddp", "deepspeed", "horovod"),
+    gpt_args=("--precision", "bf16-mixed", "--max-steps", "10"),  # the recipe's size: 0.46 M parameters
+    gpt_cases=GPT_CASES,
+    gpt_rtol=5e-2,
 )
 DRY_RUN = Settings(
     cuda=False,
@@ -107,8 +127,8 @@ DRY_RUN = Settings(
     dogcat_size=32,
     loss_rtol=1e-5,
     launch_timeout_s=150,
-    # About a minute and a half on 2 cores: each launcher once, VGG16 in one launch, one
-    # precision through the harness; tests/launcher runs every backend on both recipes.
+    # About 2 minutes on 2 idle cores: each launcher once, VGG16 in one launch, one precision
+    # through the harness, one GPT pair; tests/launcher runs every backend on both recipes.
     recipe_backends={"cifar10": ("ddp", "deepspeed", "horovod"), "dogcat": ("single",)},
     fewer_because="dry run: each launcher once (CIFAR-10 under torchrun, the deepspeed launcher "
     "and horovodrun, VGG16 in one process), to keep the dry run short (tests/launcher runs the recipes "
@@ -123,6 +143,10 @@ DRY_RUN = Settings(
     sync_steps=(1, 2, 6),
     sync_workers=0,
     sync_backends=("ddp",),
+    # float32, where recomputing the blocks (dropout's draws replayed) must give the run without it to the bit.
+    gpt_args=("--n-layer", "2", "--n-embd", "32", "--generated-chars", "20000", "--max-steps", "3"),
+    gpt_cases={"fsdp": ((), CHECKPOINTING)},
+    gpt_rtol=0.0,
 )
 
 

@@ -1,4 +1,5 @@
-"""The check's sections (install, environment, recipes, throughput, host-sync) as the steps of :class:`GpuCheck`."""
+"""The check's sections (install, environment, recipes, throughput, fsdp, transformers, host-sync) as the steps
+of :class:`GpuCheck`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,10 +23,14 @@ from typing import Any
 from .check import (
     BACKEND_ARGS,
     BUDGET_S,
+    COMPILE,
     CUDA,
     ENTRY,
     FAILED,
+    GPT_BACKEND_ARGS,
+    GPT_CASES,
     HOROVOD_CHECKS_S,
+    OFFLOAD,
     PASSED,
     PRECISIONS,
     RESERVE_S,
@@ -52,6 +58,7 @@ class GpuCheck(Check):
         )
         self.args, self.horovod_wheels = args, self.work / "horovod-wheel"
         self.horovod_build: subprocess.Popen[Any] | None = None
+        self.gpt_losses: dict[str, float] = {}  # each backend's GPT run without options: the others' twin
 
     # ------------------------------------------------------------ install
 
@@ -512,6 +519,68 @@ class GpuCheck(Check):
             figures,
         )
 
+    # ------------------------------------------------------------ transformers
+
+    def transformers(self) -> None:
+        """The GPT recipe compiled, recomputing its blocks and offloading to the CPU, each against its twin."""
+        for backend, options in GPT_CASES.items():
+            for option in options:
+                name = " ".join(["gpt on", backend, *GPT_BACKEND_ARGS.get(backend, ()), *option])
+                if not self.cuda and option in (COMPILE, OFFLOAD):
+                    why = (
+                        "inductor writes Triton kernels for the GPU (tests/launcher/test_compile.py compiles on the CPU)"
+                        if option == COMPILE
+                        else "on the CPU there is nothing to offload to, and the recipe stops saying so"
+                    )
+                    self.skip("transformers", name, f"CUDA only: {why}", needs="cuda")
+                elif option not in self.settings.gpt_cases.get(backend, ()):
+                    self.skip(
+                        "transformers",
+                        name,
+                        "dry run: one pair, fsdp with and without activation checkpointing, to keep the dry run "
+                        "short (tests/launcher/test_recipe_parity.py runs the GPT under every backend)",
+                    )
+                else:
+                    # Horovod's checks come after this section: while it builds, they keep the end of the budget.
+                    need = 30 + (HOROVOD_CHECKS_S if self.horovod_build is not None else 0.0)
+                    self.step("transformers", name, lambda b=backend, o=option: self._gpt(b, o), need_s=need)
+
+    def _gpt(self, backend: str, option: tuple[str, ...]) -> Outcome:
+        """One GPT run: it exits 0 with a finite val loss; with an option, within ``gpt_rtol`` of its twin's."""
+        s = self.settings
+        out = self.work / "runs" / "-".join(["gpt", backend, *(o.lstrip("-") for o in option)])
+        shutil.rmtree(out, ignore_errors=True)
+        done = self.launched(backend, gpt_target(backend, option, s, out), cap=s.launch_timeout_s, log_name=out.name)
+        if not (out / "metrics.json").is_file():
+            raise Fail(f"exited 0 but wrote no {out / 'metrics.json'}", log=done.output)
+        metrics = json.loads((out / "metrics.json").read_text())
+        loss = metrics["final_val_loss"]
+        figures = {"val_loss": loss, "tokens_per_s": metrics.get("train_tokens_per_s"), "launch_s": done.seconds}
+        if metrics.get("backend") != backend or metrics.get("world_size") != self.nproc or not math.isfinite(loss):
+            raise Fail(
+                f"metrics.json says backend {metrics.get('backend')!r}, world size {metrics.get('world_size')}, "
+                f"val loss {loss}; expected {backend!r}, {self.nproc} and a finite loss",
+                log=done.output,
+                figures=figures,
+            )
+        how = f"{self.nproc} processes on the {'GPU' if self.cuda else 'CPU'}, val loss {loss:.4f}"
+        if not option:
+            self.gpt_losses[backend] = loss
+            return Outcome(how, figures)
+        if (twin := self.gpt_losses.get(backend)) is None:
+            return Outcome(f"{how}; the run without {' '.join(option)} did not pass: no twin to compare with", figures)
+        rel = abs(loss - twin) / abs(twin)
+        figures.update(twin_val_loss=twin, rel_diff=rel)
+        if rel > s.gpt_rtol:
+            raise Fail(
+                f"val loss {loss:.6g}, the run without {' '.join(option)} {twin:.6g}: {rel:.1e} apart "
+                f"(relative tolerance {s.gpt_rtol:g})",
+                log=done.output,
+                figures=figures,
+            )
+        same = "to the bit" if rel == 0 else f"within {rel:.1e} (tolerance {s.gpt_rtol:g})"
+        return Outcome(f"{how}, {same} of the run without {' '.join(option)}", figures)
+
     # ------------------------------------------------------------ host-sync
 
     def host_sync(self, backends: Sequence[str]) -> None:
@@ -568,6 +637,17 @@ class GpuCheck(Check):
         item.log = done.output if item.status == FAILED else None
         self.record(item)
         return Outcome(text, figures)
+
+
+def gpt_target(backend: str, option: tuple[str, ...], settings: Settings, out: Path) -> list[str]:
+    """The transformers section's GPT launch: one epoch cut to ``--max-steps``, with no sample at the end
+    (generating is a forward per character, each a collective under fsdp and ZeRO-3)."""
+    return [
+        *("-m", "parallelx.recipes.gpt", "--backend", backend, *GPT_BACKEND_ARGS.get(backend, ())),
+        *("--out-dir", str(out), "--epochs", "1", "--warmup-steps", "2", "--sample-tokens", "0"),
+        *settings.gpt_args,
+        *option,
+    ]
 
 
 def sync_item(backend: str, reports: Sequence[dict[str, Any]]) -> Item:

@@ -162,3 +162,25 @@ def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
         # The options reached the backend, and the timed micro-batches made whole windows.
         assert rep["options"]["accumulate"] == 4 and rep["options"]["grad_compression"] == "bf16"
         assert len(rep["window_times_s"]) == rep["case"]["steps"] // 4
+
+
+@pytest.mark.timeout(270)
+def test_activation_checkpointing_benchmark_runs_both_settings(tmp_path):
+    # benchmarks.activations at its smallest: ddp and fsdp, each launched without and with
+    # checkpointing; what is deterministic is asserted, never memory or time.
+    if why := unavailable("ddp"):
+        pytest.skip(why)
+    out = tmp_path / "activations.json"
+    cmd = [sys.executable, "-m", "benchmarks.activations", "--tiny", "--out", str(out)]
+    rc, output = run_with_grace(cmd, timeout=240, grace=15, what="benchmarks.activations --tiny")
+    assert rc == 0, f"benchmarks.activations --tiny exited {rc}:\n{output[-6000:]}"
+    results = {r["backend"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"ddp", "fsdp"}
+    for name, r in results.items():
+        none, auto = r["none"], r["auto"]
+        assert len(none) == len(auto) == 2, name
+        # --tiny has 2 blocks; checkpointing keeps only their inputs, not their activations.
+        assert all(x["checkpointed_blocks"] == 0 for x in none) and all(x["checkpointed_blocks"] == 2 for x in auto)
+        assert max(x["saved_bytes"] for x in auto) < max(x["saved_bytes"] for x in none) / 2, name
+        assert r["weights"]["identical"], f"{name}: {r['weights']}"
+        assert auto[0]["time_ratio"] > 0
