@@ -17,7 +17,7 @@ train: setup
 ## system (faults, restarts, the CLI, benchmarks), on two pytest-xdist workers (a third of a
 ## serial run is waiting; tests/conftest.py keeps files that share launches on one worker).
 test: setup
-	$(PY) -m pytest -n 2 tests/unit tests/multirank tests/launcher tests/system
+	$(PY) -m pytest -n 2 --durations=40 tests/unit tests/multirank tests/launcher tests/system
 
 ## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 10 s.
 test-fast: setup

@@ -103,16 +103,17 @@ def test_the_port_runs_in_one_process(mnist_dir, tmp_path):
 
 # --------------------------------------------- HuggingFace's run_clm_no_trainer, ported
 HF_SCRIPT = "tests/support/clients/hf_clm_port.py"
+# ZeRO-0 is ddp's arithmetic through DeepSpeed's engine; the GPT grid of the core launch runs it with the same
+# features (groups, tied weights, accumulation), so the client runs where its own breaks were: ZeRO-2, ZeRO-3, fsdp.
 HF_RUNS = {
     "ddp": ("torchrun", []),
     "horovod": ("horovodrun", []),
-    "deepspeed-zero0": ("deepspeed", ["--zero-stage", "0"]),
     "deepspeed-zero2": ("deepspeed", ["--zero-stage", "2"]),
     "deepspeed-zero3": ("deepspeed", ["--zero-stage", "3"]),
     "fsdp": ("torchrun", ["--backend", "fsdp", "--fsdp-shard", "auto"]),
 }
 #: ddp's bits: they reduce each accumulation window once, in ddp's order.
-HF_BITWISE = {"horovod", "deepspeed-zero0", "fsdp"}
+HF_BITWISE = {"horovod", "fsdp"}
 
 
 @pytest.fixture(scope="module")

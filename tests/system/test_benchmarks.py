@@ -166,16 +166,17 @@ def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
 
 @pytest.mark.timeout(270)
 def test_activation_checkpointing_benchmark_runs_both_settings(tmp_path):
-    # benchmarks.activations at its smallest: ddp and fsdp, each launched without and with
+    # benchmarks.activations at its smallest, on ddp (fsdp applies checkpointing through the same
+    # wrap_model, and the transformer launches check its weights): launched without and with
     # checkpointing; what is deterministic is asserted, never memory or time.
     if why := unavailable("ddp"):
         pytest.skip(why)
     out = tmp_path / "activations.json"
-    cmd = [sys.executable, "-m", "benchmarks.activations", "--tiny", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.activations", "--tiny", "--backends", "ddp", "--out", str(out)]
     rc, output = run_with_grace(cmd, timeout=240, grace=15, what="benchmarks.activations --tiny")
     assert rc == 0, f"benchmarks.activations --tiny exited {rc}:\n{output[-6000:]}"
     results = {r["backend"]: r for r in json.loads(out.read_text())}
-    assert set(results) == {"ddp", "fsdp"}
+    assert set(results) == {"ddp"}
     for name, r in results.items():
         none, auto = r["none"], r["auto"]
         assert len(none) == len(auto) == 2, name
