@@ -557,7 +557,8 @@ class Analysis:
                 for name, (k, n) in noise_only(self.reference.grads, self.floor.grads).items():
                     self.notes.append(
                         f"{name}: {k} of its {n} gradients are rounding noise alone (zero in exact arithmetic, as "
-                        "an attention key bias's; AdamW turns that noise into steps): judged against its own floor"
+                        "an attention key bias's; an adaptive optimizer such as Adam turns that noise into steps): "
+                        "judged against its own floor"
                     )
             floors_s = floor_series(self.reference, self.floor, steps)
             floor_method = FLOOR_METHOD

@@ -2,7 +2,8 @@
 
 Clean clients must check clean: the README's example on every default
 backend (through the command line, with its JSON report), pytorch/examples'
-MNIST (the protocol form, dropout), HuggingFace's run_clm (GPT-2, AdamW,
+MNIST (the protocol form, dropout), pytorch/examples' ImageNet (augmentation
+in DataLoader workers: level 1), HuggingFace's run_clm (GPT-2, AdamW,
 accumulation: its attention key bias is rounding noise), a nanoGPT port
 (random batches per rank: level 1), the CIFAR-10 recipe through its command
 line.  Each broken script must exit 1 with its diagnosis.  To keep launches
@@ -96,6 +97,48 @@ def test_mnist_port_checks_clean_in_the_protocol_form(mnist_dir):
     row = report.row("deepspeed-zero3")
     assert row.status == "same" and row.steps == 3 and row.ranks_agree
     assert row.grads_vs_reference.worst <= row.grads_vs_reference.tolerance
+
+
+@pytest.fixture(scope="module")
+def imagenet_dir(tmp_path_factory) -> Path:
+    """ImageFolder's layout (train/ and val/, a folder per class) with learnable
+    stand-in JPEGs: 3 classes, 24 training and 8 validation images each, 40 px."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("imagenet")
+    rng = np.random.default_rng(0)
+    classes = ["n01440764", "n01443537", "n01484850"]
+    templates = rng.uniform(0, 255, size=(len(classes), 3, 3, 3))
+    for split, n in (("train", 24), ("val", 8)):
+        for c, wnid in enumerate(classes):
+            folder = root / split / wnid
+            folder.mkdir(parents=True)
+            coarse = np.kron(templates[c], np.ones((14, 14, 1)))[:40, :40]
+            for i in range(n):
+                pixels = np.clip(coarse + rng.normal(0, 40, size=coarse.shape), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{wnid}_{i}.JPEG", quality=90)
+    return root
+
+
+def test_imagenet_port_checks_clean_with_augmentation_in_loader_workers(imagenet_dir, tmp_path):
+    """pytorch/examples' ImageNet script (ResNet-18 with per-rank BatchNorm, SGD with
+    momentum and weight decay, StepLR): RandomResizedCrop and the flip run in 2
+    DataLoader workers per rank, seeded by the loader from torch's generator, so the
+    backends are compared with each other (level 1).  ddp and fsdp here; every default
+    backend (ddp, horovod, DeepSpeed ZeRO 0 and 3, fsdp) was run by hand through the
+    command line: exit 0, each to the bit of ddp's weights."""
+    args = [str(imagenet_dir), "--image-size", "32", "-b", "4", "-j", "2", "--lr", "0.01", "--seed", "0"]
+    args += ["--epochs", "1", "--checkpoint-dir", str(tmp_path)]
+    report = check("tests/support/clients/imagenet_port.py", *args, backends=["ddp", "fsdp"])
+    assert report.exit_code == SAME, summary(report)
+    # The reference reads in its main process, where the crops come from another generator than the workers'.
+    assert report.level == 1 and "DataLoader workers" in report.level_reason, summary(report)
+    for label in ("ddp", "fsdp"):
+        row = report.row(label)
+        assert row.status == "same" and row.steps == 3 and row.ranks_agree, summary(report)
+    fsdp = report.row("fsdp").weights_vs_baseline
+    assert fsdp.worst <= fsdp.tolerance, summary(report)
+    assert any(f.cause == "batchnorm-per-rank" and not f.fails for f in report.findings), summary(report)
 
 
 def test_hf_gpt2_port_checks_clean_and_names_the_key_bias(tmp_path):
