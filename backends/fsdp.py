@@ -37,13 +37,11 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from parallelx.collectives import Collectives
 from parallelx.compiling import compile_in_place
@@ -55,9 +53,16 @@ from parallelx.process_group import ProcessGroupBackend
 from parallelx.state import named_from_indexed
 from parallelx.stateio import StateIO, Unwrap
 from parallelx.units import UnitPolicy, parse_names, select_units
+from parallelx.utils import lazy_module
 
-from . import _fsdp_state as fsdp_state
 from .ddp import TORCHRUN
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+# FSDP2, DTensor and torch.distributed.checkpoint load when an fsdp backend starts (about a second of
+# start-up), not in every process that reads the backends' options.
+fsdp_state = lazy_module(f"{__package__}._fsdp_state")
 
 #: What ``shard=`` accepts (see :mod:`parallelx.units`).
 ShardPolicy = UnitPolicy
@@ -241,6 +246,8 @@ class FSDPBackend(ProcessGroupBackend):
         return options
 
     def _init(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
         self._join_rendezvous()
         # Explicit, on this process's device type: never FSDP2's accelerator default.
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -256,6 +263,14 @@ class FSDPBackend(ProcessGroupBackend):
         return select_units(model, self.shard, who="fsdp")
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
         if isinstance(model, FSDPModule):
             raise ParallelxError("fsdp: this model is already sharded")
         model = model.to(self.device)

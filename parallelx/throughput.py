@@ -34,11 +34,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+
+if TYPE_CHECKING:  # it imports triton where torch has it (0.2 s): loaded when FLOPs are first counted
+    from torch.utils.flop_counter import FlopCounterMode
 
 #: Dense (no 2:4 sparsity) peak TFLOP/s of one device, per compute type, from
 #: the vendors' data sheets (they print the sparse figure for tensor cores:
@@ -153,6 +155,8 @@ def count_flops(fn: Callable[[], Any]) -> int:
 
         flops = count_flops(lambda: loss_fn(model(x), y).backward())
     """
+    from torch.utils.flop_counter import FlopCounterMode
+
     with FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())
@@ -290,6 +294,8 @@ class StepMeter:
         self._ready = self._last_stamp = self.clock.stamp()
         if self.flops_per_sample is None and self._counter is None:
             self._counted_samples = n
+            from torch.utils.flop_counter import FlopCounterMode
+
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
 

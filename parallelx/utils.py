@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,3 +42,17 @@ def missing_package(module: str | None, install_hint: str) -> str | None:
     except (ImportError, ValueError):
         found = False
     return None if found else f"the {module} package is not installed; {install_hint}"
+
+
+class lazy_module:
+    """``name``, imported on its first attribute access rather than now: for
+    what a backend needs only once it runs (FSDP2 and DTensor cost about a
+    second of start-up), while every process reads every backend's options.
+    Not placed in ``sys.modules`` until imported for real, so that nothing
+    that walks the loaded modules (``inspect``, ``warnings``) triggers it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)

@@ -54,6 +54,7 @@ LAYERS: list[set[str]] = [
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
 HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (parallelx/tracking/)
+HEAVY += ("torch.utils.flop_counter",)  # it imports triton where torch has it: only when FLOPs are counted
 
 
 def modules() -> dict[str, Path]:
