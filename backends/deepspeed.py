@@ -74,6 +74,26 @@ def remove_shm_buffers(port: str | int | None, addr: str | None = "*", rank: int
         path.unlink(missing_ok=True)  # mappings stay valid until the process exits
 
 
+def import_deepspeed() -> Any:
+    """``import deepspeed``, without the MLflow import it makes at start-up.
+
+    DeepSpeed's autotuner imports ``mlflow`` when it is installed (with pandas:
+    about 3 s of CPU per process), for the autotuning runs of its own launcher,
+    which never happen inside a training process.  It sees no MLflow while it
+    loads; afterwards ``import mlflow`` works as before (parallelx's tracker,
+    the script's own)."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # ImportError for this one import
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def extensions_dir() -> Path:
     """Where this environment keeps DeepSpeed's JIT-built ops: beside its packages."""
     return Path(sys.prefix) / "torch_extensions"
@@ -196,7 +216,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         if (own_bin / "ninja").is_file() and not os.environ.get("PATH", "").startswith(str(own_bin)):
             os.environ["PATH"] = f"{own_bin}{os.pathsep}{os.environ.get('PATH', '')}"
         try:
-            import deepspeed
+            deepspeed = import_deepspeed()
             from deepspeed.accelerator import get_accelerator
         except ImportError as exc:
             raise BackendUnavailableError(f"deepspeed does not import ({exc}); {INSTALL_HINT}") from None
