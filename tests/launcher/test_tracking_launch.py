@@ -129,7 +129,11 @@ def check_throughput(series: dict[str, list[tuple[int, float]]], record: dict, *
     assert wall.keys() == rate.keys() and wall, f"{where}: an interval without its throughput"
     samples = sum(rate[s] * wall[s] for s in wall)
     assert samples == pytest.approx(record["samples"], rel=1e-6), f"{where}: intervals' samples vs samples trained"
-    assert sum(wall.values()) == pytest.approx(record["train_s"], rel=0.10), (
+    # The intervals run from step to step inside the training passes: never the validation between them (which
+    # would put them above), nor much less than the passes.  What lies between is the first batch's loading and
+    # the last micro-batch's tail, a share that a loaded machine's pauses can raise, so no tighter bound.
+    covered = sum(wall.values()) / record["train_s"]
+    assert 0.5 <= covered <= 1.02, (
         f"{where}: intervals' wall time {sum(wall.values()):.3f} s vs the training passes' {record['train_s']:.3f} s"
     )
     flops = dict(series["throughput/flops_per_s"])
