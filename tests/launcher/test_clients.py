@@ -103,17 +103,16 @@ def test_the_port_runs_in_one_process(mnist_dir, tmp_path):
 
 # --------------------------------------------- HuggingFace's run_clm_no_trainer, ported
 HF_SCRIPT = "tests/support/clients/hf_clm_port.py"
-# ZeRO-0 is ddp's arithmetic through DeepSpeed's engine; the GPT grid of the core launch runs it with the same
-# features (groups, tied weights, accumulation), so the client runs where its own breaks were: ZeRO-2, ZeRO-3, fsdp.
+# ZeRO-0 is ddp's arithmetic through DeepSpeed's engine, and horovod gives ddp's bits on every GPT of the core
+# launches (groups, tied weights, accumulation): the client runs where its own breaks were: ZeRO-2, ZeRO-3, fsdp.
 HF_RUNS = {
     "ddp": ("torchrun", []),
-    "horovod": ("horovodrun", []),
     "deepspeed-zero2": ("deepspeed", ["--zero-stage", "2"]),
     "deepspeed-zero3": ("deepspeed", ["--zero-stage", "3"]),
     "fsdp": ("torchrun", ["--backend", "fsdp", "--fsdp-shard", "auto"]),
 }
 #: ddp's bits: they reduce each accumulation window once, in ddp's order.
-HF_BITWISE = {"horovod", "fsdp"}
+HF_BITWISE = {"fsdp"}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +145,7 @@ def test_hf_port_runs_and_checkpoints_everywhere(hf_runs):
 
 
 def test_hf_port_matches_ddp(hf_runs):
-    """horovod, ZeRO-0 and fsdp give ddp's weights to the bit.  ZeRO 2 and 3
+    """fsdp gives ddp's weights to the bit.  ZeRO 2 and 3
     reduce every micro-batch as it comes, so they sum the window in another
     order: within float32 rounding amplified by 8 AdamW steps, except GPT-2's
     attention key bias, whose gradient is exactly zero (a softmax does not

@@ -45,6 +45,9 @@ def smoke(tmp_path_factory):
         "ddp",
         "--only",
         parts,
+        # LeNet only: VGG16 runs the same code on a 138M-parameter model, most of this run's time on 2 cores.
+        "--models",
+        "lenet",
         "--out-dir",
         str(out / "results"),
         "--raw",
@@ -85,11 +88,12 @@ def test_each_process_is_pinned_to_its_own_cores(smoke):
         assert len(set(flat)) == len(flat), f"{r['impl']} {r['case_id']}: ranks share a core: {per_rank}"
 
 
-def test_every_backend_has_results_for_both_models(smoke):
+def test_every_backend_has_results(smoke):
     _, result = smoke
     nproc = result["meta"]["machine"]["nproc"]
+    assert {r["model"] for r in result["runs"]} == {"lenet"}, "--models lenet was not followed"
     for impl in [f"{kind}-{f}" for f in FAMILIES for kind in ("raw", "px")]:
-        for model in ("lenet", "vgg16"):
+        for model in ("lenet",):
             rows = [r for r in result["runs"] if r["impl"] == impl and r["model"] == model and r["nproc"] == nproc]
             assert rows, f"no {model} result for {impl}"
             for r in rows:
