@@ -75,7 +75,8 @@ N_TEST = 31  # odd: the 2 ranks' shards are padded, and the metrics must leave t
 REDUCES_ONCE = {"horovod", "deepspeed-zero0", "deepspeed-zero1", "fsdp"}
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
-_DONE: dict[str, Path] = {}
+#: Each run's last.pth, kept in memory (a passing test's folder is removed as it ends): later runs compare with it.
+_DONE: dict[str, dict[str, torch.Tensor]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +104,11 @@ def test_recipe_weights_equal_across_backends(run, cifar_dir, tmp_path):
     # The recipe's outputs and exact metrics, as tests/launcher/test_recipes.py checks them in one process.
     metrics = check_outputs(res, out, backend, 2, epochs=2)
     check_cifar_metrics(metrics, out, cifar_dir, N_TEST, epochs=2, precision="bf16-mixed")
-    _DONE[run] = out / "last.pth"
+    a = _DONE[run] = torch.load(out / "last.pth", weights_only=True)
     first = next(iter(_DONE))
     if first == run:
         return
-    a = torch.load(out / "last.pth", weights_only=True)
-    b = torch.load(_DONE[first], weights_only=True)
+    b = _DONE[first]
     assert a.keys() == b.keys()
     err = max(float((a[k].float() - b[k].float()).norm() / max(b[k].float().norm(), 1e-12)) for k in b)
     assert err < REL_TOL, f"{run} vs {first}: {err:.3g}"
@@ -130,7 +130,7 @@ GPT_RUNS = {
     **backend_cases("ddp", "horovod", "deepspeed-zero1", "deepspeed-zero3", "fsdp"),
     "single": ("python", "single", []),
 }
-_GPT_DONE: dict[str, Path] = {}
+_GPT_DONE: dict[str, dict[str, torch.Tensor]] = {}
 
 
 @pytest.mark.parametrize("run", list(GPT_RUNS))
@@ -147,12 +147,11 @@ def test_gpt_recipe_under_every_backend(run, tmp_path):
     check_gpt_metrics(metrics, out, precision="bf16-mixed")
     if world == 1 or run not in {"ddp", *REDUCES_ONCE}:
         return
-    _GPT_DONE[run] = out / "last.pth"
+    a = _GPT_DONE[run] = torch.load(out / "last.pth", weights_only=True)
     first = next(iter(_GPT_DONE))
     if first == run:
         return
-    a = torch.load(out / "last.pth", weights_only=True)
-    b = torch.load(_GPT_DONE[first], weights_only=True)
+    b = _GPT_DONE[first]
     assert a.keys() == b.keys()
     errs = {k: float((a[k].float() - b[k].float()).norm() / max(b[k].float().norm(), 1e-12)) for k in b}
     worst = max(errs, key=errs.__getitem__)
