@@ -42,9 +42,56 @@ def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
     return True, out[-1] if out else "ok"
 
 
+# Each probe's code in turn in one interpreter (torch is imported once, not once per backend), a JSON line per
+# probe as it ends.  An exception is that probe's failure; a crash (a mis-built extension) ends the interpreter, and
+# the probes it did not answer are run again one per process, so that the crash is pinned on its own backend.
+_ALL_PROBES = """
+import contextlib, io, json, sys
+for name, code in json.loads(sys.argv[1]).items():
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, name, "exec"), {})
+        lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+        row = [name, True, lines[-1] if lines else "ok"]
+    except BaseException as exc:
+        row = [name, False, f"{type(exc).__name__}: {exc}"]
+    print(json.dumps(row), flush=True)
+"""
+
+
+def _probe_all(codes: Mapping[str, str], timeout: float = 240.0) -> dict[str, tuple[bool, str]]:
+    """``{backend: (ok, detail)}`` for every probe in ``codes``."""
+    results: dict[str, tuple[bool, str]] = {}
+    if codes:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _ALL_PROBES, json.dumps(dict(codes))],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            stdout = proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        for line in stdout.splitlines():
+            try:
+                name, ok, detail = json.loads(line)
+            except ValueError:
+                continue  # a package's own output on the real stdout
+            if name in codes:
+                results[name] = (bool(ok), str(detail))
+    for name, code in codes.items():
+        if name not in results:
+            results[name] = _probe(code)
+    return results
+
+
 def report() -> list[tuple[str, bool, str, str]]:
     """``(backend, usable, detail, launch line)`` for every registered backend."""
-    rows = []
+    rows: list[tuple[str, bool | None, str, str]] = []
+    codes: dict[str, str] = {}
     for name in available_backends():
         if name == "auto":
             continue
@@ -58,11 +105,17 @@ def report() -> list[tuple[str, bool, str, str]]:
         if reason is not None:
             rows.append((name, False, reason, launch))
         elif cls.probe_code:
-            ok, detail = _probe(cls.probe_code)
-            rows.append((name, ok, detail, launch))
+            codes[name] = cls.probe_code
+            rows.append((name, None, "", launch))
         else:
             rows.append((name, True, "ok", launch))
-    return rows
+    probed = _probe_all(codes)
+    out = []
+    for name, ok, detail, launch in rows:
+        if ok is None:
+            ok, detail = probed[name]
+        out.append((name, ok, detail, launch))
+    return out
 
 
 def versions() -> dict[str, str | None]:

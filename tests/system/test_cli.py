@@ -31,6 +31,23 @@ def test_import_parallelx_imports_no_heavy_backend_package():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_env_probes_share_one_interpreter_and_a_crash_is_pinned_on_its_own_backend():
+    from parallelx import envreport
+
+    codes = {
+        "fine": "print('noise'); print('fine 1.0')",
+        "raises": "raise ImportError('libfoo.so: cannot open shared object file')",
+        "crashes": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+        "after": "print('after the crash')",
+    }
+    got = envreport._probe_all(codes)
+    assert got["fine"] == (True, "fine 1.0")
+    assert got["raises"] == (False, "ImportError: libfoo.so: cannot open shared object file")
+    # The crash ends the shared interpreter: it and the probes after it run again, one per process.
+    assert got["crashes"][0] is False and got["crashes"][1].startswith("exit code")
+    assert got["after"] == (True, "after the crash")
+
+
 def test_env_report_lists_every_backend():
     proc = subprocess.run(
         [sys.executable, "-m", "parallelx", "env"], capture_output=True, text=True, cwd=ROOT, timeout=120
@@ -71,34 +88,17 @@ def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
         assert module in names
 
 
-def test_launch_command_comes_from_the_backends_declaration():
+def test_launch_command_comes_from_the_backends_declaration(capsys):
+    from parallelx.__main__ import main
+
+    # In this process (the dry run starts nothing); the command line's own exit below runs as users run it.
     for name in ("ddp", "horovod", "deepspeed", "single"):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "parallelx",
-                "launch",
-                name,
-                "-n",
-                "3",
-                "--dry-run",
-                "--",
-                "-m",
-                "recipes.cifar10",
-                "--epochs",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=60,
-        )
-        assert proc.returncode == 0, proc.stderr
+        capsys.readouterr()
+        assert main(["launch", name, "-n", "3", "--dry-run", "--", "-m", "recipes.cifar10", "--epochs", "1"]) == 0
         expected = parallelx.backend_class(name).launcher.command(
             ["-m", "recipes.cifar10", "--epochs", "1", "--backend", name], 3 if name != "single" else 1, port=1
         )
-        got = proc.stdout.split()
+        got = capsys.readouterr().out.split()
         # Same command but for the free port each call picks.
         assert [w for w in got if not w.isdigit()] == [w for w in expected if not w.isdigit()], got
     proc = subprocess.run(
