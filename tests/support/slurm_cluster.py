@@ -73,8 +73,15 @@ def unavailable() -> str | None:
     return None
 
 
-class SlurmCluster:
-    """munged + slurmctld + slurmd under ``root``; :meth:`env` is what the client commands need."""
+class SlurmDaemons:
+    """What every test Slurm shares: munged with its own key and socket under
+    ``root``, daemons started in their own sessions with their output in
+    ``root/<name>.out``, the client commands' environment, ``sbatch`` and
+    waiting for its job, the logs for a failure's message, the stop.  The
+    subclasses start slurmctld and the slurmds, and say how a client command
+    runs (:meth:`client`) and when the nodes are ready (:meth:`_idle`)."""
+
+    what = "the test Slurm"
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -90,33 +97,39 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
+    def client(self, cmd: list[str], env: dict[str, str], check: bool = False) -> subprocess.CompletedProcess:
+        """A client command (``sbatch``, ``scontrol``, ``sinfo``) with ``env``; its output captured as text."""
+        raise NotImplementedError
+
     def batch(self, args: list[str], env: dict[str, str], timeout: float) -> tuple[str, int]:
         """``sbatch args`` and wait for the job: (final state, exit status).  Polls
         ``scontrol`` every 0.2 s: ``sbatch --wait`` polls at growing intervals
         and returned 24 s after a 16 s job here."""
-        job = (
-            subprocess.run(
-                ["sbatch", "--parsable", *args], env=env, capture_output=True, text=True, check=True, cwd=env.get("PWD")
-            )
-            .stdout.strip()
-            .split(";")[0]
-        )
+        job = self.client(["sbatch", "--parsable", *args], env, check=True).stdout.strip().split(";")[0]
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            info = subprocess.run(
-                ["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, check=False
-            ).stdout
+            info = self.client(["scontrol", "show", "job", "-o", job], env).stdout
             fields = dict(f.split("=", 1) for f in info.split() if "=" in f)
             if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
                 return fields["JobState"], int(fields.get("ExitCode", "0:0").split(":")[0])
             time.sleep(0.2)
-        subprocess.run(["scancel", job], env=env, check=False)
+        self.client(["scancel", job], env)
         raise TimeoutError(f"batch job {job} still running after {timeout:.0f}s")
 
-    def start(self, timeout: float = 60) -> SlurmCluster:
+    def start(self, timeout: float = 60) -> SlurmDaemons:
+        try:
+            self._start_munge(timeout)
+            self._start(timeout)
+            self._wait(self._idle, timeout, "node idle in sinfo")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_munge(self, timeout: float) -> None:
         munge = self.root / "munge"
-        for sub in ("munge", "state", "spool"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        munge.mkdir(parents=True, exist_ok=True)
+        (self.root / "state").mkdir(exist_ok=True)
         munge.chmod(0o755)  # munged wants its socket's directory searchable by all
         key = munge / "munge.key"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key), "--force"], check=True, capture_output=True)
@@ -134,7 +147,66 @@ class SlurmCluster:
             ],
             "munged",
         )
-        self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket", munge / "munged.log")
+        self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket")
+
+    def _start(self, timeout: float) -> None:
+        """Write ``slurm.conf``, start slurmctld and the slurmds."""
+        raise NotImplementedError
+
+    def _idle(self) -> bool:
+        raise NotImplementedError
+
+    def _spawn(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        log = open(self.root / f"{name}.out", "w")
+        self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        log.close()
+
+    def _check_alive(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited with status {proc.returncode}:\n{self.logs()}")
+
+    def _wait(self, ready, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > end:
+                raise RuntimeError(f"{self.what}: no {what} after {timeout:.0f}s:\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self, n: int = 15) -> str:
+        parts = []
+        for path in sorted(self.root.rglob("*.log")) + sorted(self.root.glob("*.out")):
+            lines = path.read_text(errors="replace").splitlines()[-n:]
+            parts.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """SIGTERM every daemon (the slurmds first, munged last), SIGKILL what is left after 10 s."""
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        self._procs.clear()
+
+    def __enter__(self) -> SlurmDaemons:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SlurmCluster(SlurmDaemons):
+    """One node, ``localhost``: slurmctld and slurmd on this machine; :meth:`env` is what the client commands need."""
+
+    def client(self, cmd: list[str], env: dict[str, str], check: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, check=check, cwd=env.get("PWD"))
+
+    def _start(self, timeout: float) -> None:
+        (self.root / "spool").mkdir(exist_ok=True)
         self.conf.write_text(
             CONF.format(
                 root=self.root,
@@ -147,50 +219,8 @@ class SlurmCluster:
         env = self.env()
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld", env)
         self._spawn(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)], "slurmd", env)
-        self._wait(self._idle, timeout, "the node to be idle in sinfo", self.root / "slurmctld.log")
-        return self
-
-    def _spawn(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> None:
-        log = open(self.root / f"{name}.out", "w")
-        self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        log.close()
 
     def _idle(self) -> bool:
-        for proc in self._procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with status {proc.returncode}:\n{self.logs()}")
+        self._check_alive()
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env(), capture_output=True, text=True)
         return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc")
-
-    def _wait(self, ready, timeout: float, what: str, log: Path) -> None:  # type: ignore[no-untyped-def]
-        end = time.monotonic() + timeout
-        while not ready():
-            if time.monotonic() > end:
-                self.stop()
-                raise RuntimeError(f"the test Slurm: no {what} after {timeout:.0f}s:\n{self.logs()}")
-            time.sleep(0.2)
-
-    def logs(self, n: int = 15) -> str:
-        parts = []
-        for path in sorted(self.root.rglob("*.log")) + sorted(self.root.glob("*.out")):
-            lines = path.read_text(errors="replace").splitlines()[-n:]
-            parts.append(f"--- {path.name}\n" + "\n".join(lines))
-        return "\n".join(parts)
-
-    def stop(self) -> None:
-        """SIGTERM every daemon (slurmd first, munged last), SIGKILL what is left after 10 s."""
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        self._procs.clear()
-
-    def __enter__(self) -> SlurmCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
