@@ -4,7 +4,7 @@ PY := .venv/bin/python
 # them per environment, so two checkouts do not keep rebuilding each other's.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: setup train test test-fast lint bench docs docs-serve clean
+.PHONY: setup train test test-scenarios test-all test-fast lint bench docs docs-serve clean
 
 setup:
 	bash scripts/setup.sh
@@ -13,11 +13,20 @@ setup:
 train: setup
 	bash scripts/train_demo.sh
 
-## The whole test suite: unit, multirank, launcher (every backend under its real launcher),
-## system (faults, restarts, the CLI, benchmarks), on two pytest-xdist workers (a third of a
-## serial run is waiting; tests/conftest.py keeps files that share launches on one worker).
+## The test suite: unit, multirank, launcher (every backend under its real launcher), system
+## (failures, bad inputs, the CLI, torn writes), on two pytest-xdist workers (tests/conftest.py keeps
+## files that share launches on one worker).  About 15 minutes on 2 cores.
 test: setup
-	$(PY) -m pytest -n 2 --durations=40 tests/unit tests/multirank tests/launcher tests/system
+	$(PY) -m pytest -n 2 --durations=30 -m "not scenario" tests/unit tests/multirank tests/launcher tests/system
+
+## The whole scenarios, minutes each: kills, restarts and preemption, stalls, Horovod elastic, Slurm,
+## Ray, two nodes in network namespaces, the check on client scripts, the benchmarks and the GPU
+## check rehearsed.  About 18 minutes on 2 cores; CI runs them after make test.
+test-scenarios: setup
+	$(PY) -m pytest -n 2 --durations=20 -m scenario tests/system
+
+## Both, one after the other, as CI runs them.
+test-all: test test-scenarios
 
 ## The in-process tiers (tests/unit, tests/multirank): no subprocess at all, about 10 s.
 test-fast: setup

@@ -20,7 +20,7 @@ from launching import run_with_grace
 
 from benchmarks.launch import unavailable
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(420)]
 
 RUN_TIMEOUT_S = 360
 FAMILIES = ("ddp", "horovod", "deepspeed")

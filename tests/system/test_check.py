@@ -26,7 +26,7 @@ from parallelx import runner
 from parallelx.check.report import COULD_NOT_RUN, DIFFERS, SAME, Report, from_dict
 from parallelx.testing import check_script
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 SCRIPTS = "tests/support/check_scripts"
 #: The command line's own run: the backends that no client below covers.

@@ -155,6 +155,7 @@ def check_survived(tmp: Path, rc: int, out: str) -> dict[str, float]:
 
 
 @pytest.mark.launcher
+@pytest.mark.scenario
 @pytest.mark.timeout(120)
 def test_worker_killing_itself_does_not_end_the_job(tmp_path: Path) -> None:
     # Rank 1 dies after step 5; the last commit was at step 3.
@@ -167,6 +168,7 @@ def test_worker_killing_itself_does_not_end_the_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.launcher
+@pytest.mark.scenario
 @pytest.mark.timeout(120)
 def test_worker_killed_from_outside_does_not_end_the_job(tmp_path: Path) -> None:
     # Rank 0 this time (rank 1 kills itself above): the survivor becomes rank 0 of the new world.
@@ -187,6 +189,7 @@ def test_worker_killed_from_outside_does_not_end_the_job(tmp_path: Path) -> None
 
 
 @pytest.mark.launcher
+@pytest.mark.scenario
 @pytest.mark.timeout(150)
 def test_the_recipe_survives_a_killed_worker(tmp_path):
     """The CIFAR-10 recipe itself under elastic horovodrun: rank 1 is SIGKILLed

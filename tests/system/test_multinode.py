@@ -38,7 +38,7 @@ from netns import unavailable as no_namespaces
 
 from parallelx.launch import free_port, resolve_program
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(180)]
 
 NODE_TIMEOUT_S = 90
 # Two host names that resolve to this machine: horovodrun and deepspeed treat

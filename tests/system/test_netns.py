@@ -38,7 +38,7 @@ from parallelx import checkpoint
 from parallelx.launch import free_port
 from parallelx.trainstate import STATE_FILE, latest_checkpoint
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(240)]
 
 #: --timeout of the fault runs: the process group's, the rendezvous's.
 FAULT_TIMEOUT_S = 20

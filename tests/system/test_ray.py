@@ -18,7 +18,7 @@ import pytest
 from engines import ARGS, assert_bitwise, assert_exact_metrics, job_env, rel_err, resumed_from, run, weights
 from launching import ROOT, latest_step, wait_for
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 
 def test_ray_train_workers_replaced_after_a_kill_resume_bitwise_and_deepspeed_matches(

@@ -56,7 +56,7 @@ REL_TOL_BACKEND = 1e-6
 REL_TOL_WORLD = 1e-6
 TIMING = ("epoch_time_s", "train_images_per_s", "val_images_per_s")
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

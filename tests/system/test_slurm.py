@@ -20,7 +20,7 @@ from slurm_cluster import SlurmCluster, unavailable
 
 from parallelx.launch import free_port
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

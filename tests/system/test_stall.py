@@ -23,7 +23,7 @@ TIMEOUT_S = 6
 # Start-up (DeepSpeed's is ~15 s on 2 busy cores), then the timeout, then the launcher's clean-up.
 ENDS_WITHIN_S = 90
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(180)]
 
 # Where the framework alone waits for ever (measured before the watchdog: a
 # sleeping peer kept Horovod's all-reduce waiting the whole 120 s; a SIGSTOPped
