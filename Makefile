@@ -15,13 +15,13 @@ train: setup
 
 ## The test suite: unit, multirank, launcher (every backend under its real launcher), system
 ## (failures, bad inputs, the CLI, torn writes), on two pytest-xdist workers (tests/conftest.py keeps
-## files that share launches on one worker).  About 15 minutes on 2 cores.
+## files that share launches on one worker).  12 to 15 minutes on 2 cores.
 test: setup
 	$(PY) -m pytest -n 2 --durations=30 -m "not scenario" tests/unit tests/multirank tests/launcher tests/system
 
 ## The whole scenarios, minutes each: kills, restarts and preemption, stalls, Horovod elastic, Slurm,
 ## Ray, two nodes in network namespaces, the check on client scripts, the benchmarks and the GPU
-## check rehearsed.  About 18 minutes on 2 cores; CI runs them after make test.
+## check rehearsed.  About 17 minutes on 2 cores; CI runs them after make test.
 test-scenarios: setup
 	$(PY) -m pytest -n 2 --durations=20 -m scenario tests/system
 
