@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from parallelx.errors import ParallelxError
-from parallelx.loop import LoopOptions
+from parallelx.parts.loop import LoopOptions
 
 #: Config entries whose DeepSpeed default (or a value a user sets) makes the
 #: update differ from one process on the global batch, with the plain value

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelx.collectives import Watch
 from parallelx.errors import ParallelxError
-from parallelx.lockstep import ForwardLockstep
-from parallelx.state import keep_rng_state
+from parallelx.parts.collectives import Watch
+from parallelx.parts.lockstep import ForwardLockstep
+from parallelx.parts.state import keep_rng_state
 
 
 class DeepSpeedModel(nn.Module):
@@ -124,7 +124,9 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
                 "deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps after backend.backward(loss)"
             )
         self.engine.step()
-        for hook in list(self._optimizer_step_post_hooks.values()):  # torch.optim's step hooks (parallelx.buffers)
+        for hook in list(
+            self._optimizer_step_post_hooks.values()
+        ):  # torch.optim's step hooks (parallelx.transforms.buffers)
             hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -5,7 +5,7 @@ Under ZeRO stages 1 to 3 each rank's base optimizer keeps state for its shard
 of flat fp32 master tensors only, and ZeRO steps those masters and copies them
 back into the weights.  A checkpoint must not depend on the world size or the
 stage, so this module gathers that state whole, keyed by parameter name (the
-layout of :mod:`parallelx.trainstate`, or by position as ``torch.optim`` keeps
+layout of :mod:`parallelx.checkpoints.trainstate`, or by position as ``torch.optim`` keeps
 it), scatters such a state back into this rank's shards, and sets the fp32
 masters when weights are loaded.  It goes through DeepSpeed's
 ``safe_get_full_*`` / ``safe_set_full_*``, which are collectives: every rank
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelx.checkpoint import to_cpu
 from parallelx.errors import ParallelxError
-from parallelx.state import check_named_groups, indexed_optimizer_state, named_from_indexed
+from parallelx.parts.portable import to_cpu
+from parallelx.parts.state import check_named_groups, indexed_optimizer_state, named_from_indexed
 
 
 def param_names(module: nn.Module) -> dict[int, str]:

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallelx import state as pure
 from parallelx.errors import ParallelxError
-from parallelx.stateio import keyed_like, named_parameters, plain_key, plain_keys
+from parallelx.parts import state as pure
+from parallelx.parts.stateio import keyed_like, named_parameters, plain_key, plain_keys
 
 
 def full(value: Any) -> Any:

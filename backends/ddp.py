@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from parallelx.gradsync import GradientSync, Models
-from parallelx.launch import Launcher
-from parallelx.process_group import ProcessGroupBackend
+from parallelx.launching.launchers import Launcher
+from parallelx.parts.gradsync import GradientSync, Models
+from parallelx.strategies.process_group import ProcessGroupBackend
 
 TORCHRUN = Launcher(
     name="torchrun",

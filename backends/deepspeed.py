@@ -40,15 +40,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from parallelx.collectives import Collectives
 from parallelx.errors import BackendUnavailableError, ParallelxError
-from parallelx.gradsync import GradientSync, Models, model_order, owner_names
-from parallelx.launch import Launcher
-from parallelx.lockstep import ForwardLockstep
+from parallelx.launching.launchers import Launcher
 from parallelx.log import warn
-from parallelx.precision import EnginePrecision, Precision
-from parallelx.process_group import ProcessGroupBackend
-from parallelx.stateio import StateIO, Unwrap, keyed_like
+from parallelx.parts.collectives import Collectives
+from parallelx.parts.gradsync import GradientSync, Models, model_order, owner_names
+from parallelx.parts.lockstep import ForwardLockstep
+from parallelx.parts.precision import EnginePrecision, Precision
+from parallelx.parts.stateio import StateIO, Unwrap, keyed_like
+from parallelx.strategies.process_group import ProcessGroupBackend
 
 from . import _deepspeed_zero as zero_state
 from ._deepspeed_config import (  # noqa: F401

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from parallelx.errors import ParallelxError
-from parallelx.local import LocalBackend
 from parallelx.log import warn
+from parallelx.strategies.single_process import LocalBackend
 from parallelx.utils import has_batchnorm
 
 

@@ -13,7 +13,7 @@ breaks a Gloo group on a GPU machine).  ``--backend auto`` never picks it:
 sharding is chosen.
 
 Which modules are sharded (``shard=``): by default each block holding a large
-share of the parameters (:func:`parallelx.units.default_units`: never a
+share of the parameters (:func:`parallelx.transforms.units.default_units`: never a
 container without ``forward``, never a module whose weight is tied outside
 it), then the root, which takes the rest; or a callable ``module -> bool``,
 or module classes, as types or by name (``--fsdp-shard Block`` or
@@ -28,7 +28,7 @@ numbers); ``--grad-compression`` -> ``MixedPrecisionPolicy(reduce_dtype=...)``.
 Checkpoints are portable (whole tensors, plain names, on the CPU) like every
 backend's; with ``sharded_checkpoints=True`` (``--fsdp-sharded-checkpoints``)
 the training-state checkpoints hold each rank's shards instead, written with
-torch.distributed.checkpoint (see :mod:`parallelx.sharded`).
+torch.distributed.checkpoint (see :mod:`parallelx.checkpoints.sharded`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallelx.collectives import Collectives
-from parallelx.compiling import compile_in_place
 from parallelx.errors import ParallelxError
-from parallelx.gradsync import GradientSync, Models, model_order, optimizer_params, owner_names
-from parallelx.lockstep import ForwardLockstep
-from parallelx.precision import Precision
-from parallelx.process_group import ProcessGroupBackend
-from parallelx.state import named_from_indexed
-from parallelx.stateio import StateIO, Unwrap
-from parallelx.units import UnitPolicy, parse_names, select_units
+from parallelx.parts.collectives import Collectives
+from parallelx.parts.gradsync import GradientSync, Models, model_order, optimizer_params, owner_names
+from parallelx.parts.lockstep import ForwardLockstep
+from parallelx.parts.precision import Precision
+from parallelx.parts.state import named_from_indexed
+from parallelx.parts.stateio import StateIO, Unwrap
+from parallelx.strategies.process_group import ProcessGroupBackend
+from parallelx.transforms.compiling import compile_in_place
+from parallelx.transforms.units import UnitPolicy, parse_names, select_units
 from parallelx.utils import lazy_module
 
 from .ddp import TORCHRUN
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 # start-up), not in every process that reads the backends' options.
 fsdp_state = lazy_module(f"{__package__}._fsdp_state")
 
-#: What ``shard=`` accepts (see :mod:`parallelx.units`).
+#: What ``shard=`` accepts (see :mod:`parallelx.transforms.units`).
 ShardPolicy = UnitPolicy
 
 

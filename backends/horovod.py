@@ -20,17 +20,17 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from parallelx import network
-from parallelx.batchnorm import convert_batchnorm
-from parallelx.collectives import Collectives, Watch
-from parallelx.elastic import Elastic
+from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
-from parallelx.gradsync import GradientSync, parameter_names
-from parallelx.launch import Launcher
+from parallelx.launching import network
+from parallelx.launching.launchers import Launcher
 from parallelx.log import warn
-from parallelx.loop import LoopOptions
-from parallelx.precision import Precision
-from parallelx.protocol import Backend
+from parallelx.parts.collectives import Collectives, Watch
+from parallelx.parts.elastic import Elastic
+from parallelx.parts.gradsync import GradientSync, parameter_names
+from parallelx.parts.loop import LoopOptions
+from parallelx.parts.precision import Precision
+from parallelx.transforms.batchnorm import convert_batchnorm
 
 T = TypeVar("T")
 INSTALL_HINT = "build and install it with `python scripts/build_horovod.py` (Horovod 0.28.1 patched for current torch)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallelx.local import LocalBackend
+from parallelx.strategies.single_process import LocalBackend
 
 
 class SingleBackend(LocalBackend):

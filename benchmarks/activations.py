@@ -54,7 +54,8 @@ from torch import nn
 
 import parallelx
 from benchmarks.launch import on_sigterm
-from parallelx import activations, runner
+from parallelx.launching import runner
+from parallelx.transforms import activations
 
 #: The settings compared, as ``get_backend(activation_checkpointing=...)`` takes them (True: ``auto``).
 SETTINGS: dict[str, bool | None] = {"none": None, "auto": True}

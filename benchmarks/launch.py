@@ -1,5 +1,5 @@
-"""One benchmark launch through :mod:`parallelx.runner`, under its backend's
-:class:`~parallelx.launch.Launcher`, with the environment every launch shares
+"""One benchmark launch through :mod:`parallelx.launching.runner`, under its backend's
+:class:`~parallelx.launching.launchers.Launcher`, with the environment every launch shares
 and a check that it wrote its results."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import parallelx
 from benchmarks.plan import IMPLS, Job, Machine
 from benchmarks.workload import Plan, result_path
-from parallelx import runner
+from parallelx.launching import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import parallelx
 from benchmarks.workload import Case, build_model, make_optimizer, synthetic_batches
-from parallelx import runner
+from parallelx.launching import runner
 
 #: name -> (backend, extra arguments)
 CASES: dict[str, tuple[str, list[str]]] = {

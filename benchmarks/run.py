@@ -22,8 +22,8 @@ from typing import Any
 
 from benchmarks import launch, plan, report, stats, tracking
 from benchmarks.workload import BenchError
-from parallelx import envreport
 from parallelx.cli import exit_on_error, positive_int
+from parallelx.launching import envreport
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The cost of trackers and throughput accounting (benchmarks/tracking.py): run only when named in --only.

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import parallelx
-import parallelx.loop
+import parallelx.parts.loop
 from benchmarks import plain, px_worker, workload
 from parallelx.cli import exit_on_error
 
@@ -35,7 +35,7 @@ def measure(name: str, blocks_n: int, plan: workload.Plan, backend: parallelx.Ba
     """Every case of ``plan``: ``blocks_n`` blocks of each step, alternating; one result file per rank."""
     workload.check_world_size(plan, backend.world_size)
     # --precision as parallelx defines it, around both implementations' whole step.
-    dtype = parallelx.loop.LoopOptions(precision=precision).autocast_dtype
+    dtype = parallelx.parts.loop.LoopOptions(precision=precision).autocast_dtype
     world = plain.World(backend.rank, backend.local_rank, backend.world_size, backend.device)
     for case in plan.cases:
         workload.apply_threads(plan, case, local_rank=backend.local_rank)
@@ -85,7 +85,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--precision",
-        choices=parallelx.loop.PRECISIONS,
+        choices=parallelx.parts.loop.PRECISIONS,
         default="32",
         help="autocast both implementations' steps to this precision",
     )

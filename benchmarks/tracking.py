@@ -37,8 +37,9 @@ from torch import nn
 
 import parallelx
 from benchmarks import stats
-from parallelx import envreport, throughput
 from parallelx.cli import exit_on_error, positive_int
+from parallelx.launching import envreport
+from parallelx.observability import throughput
 from recipes.models import LeNet
 
 ROOT = Path(__file__).resolve().parents[1]

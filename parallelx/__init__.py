@@ -9,21 +9,21 @@
 Importing parallelx imports neither horovod nor deepspeed.
 """
 
-from .cli import add_arguments, exit_on_error, from_args
-from .errors import BackendUnavailableError, LaunchError, ParallelxError, UnknownBackendError
-from .launch import Launcher
-from .local import LocalBackend
-from .log import warn
-from .main_process import get_logger, local_main_process_first, main_process_first
-from .metrics import MetricSums, real_mask
-from .preempt import Preemption
-from .process_group import ProcessGroupBackend
-from .protocol import Backend, ReduceOp
-from .registry import available_backends, backend_class, detect_backend, get_backend, register_backend
-from .sampler import ShardedSampler
-from .trainstate import latest_checkpoint, load_training_state, save_training_state
-from .utils import seed_everything
-from .version import __version__
+from parallelx.backend import Backend, ReduceOp
+from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
+from parallelx.cli import add_arguments, exit_on_error, from_args
+from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError, UnknownBackendError
+from parallelx.launching.launchers import Launcher
+from parallelx.log import warn
+from parallelx.parts.sampler import ShardedSampler
+from parallelx.registry import available_backends, backend_class, detect_backend, get_backend, register_backend
+from parallelx.strategies.process_group import ProcessGroupBackend
+from parallelx.strategies.single_process import LocalBackend
+from parallelx.training.main_process import get_logger, local_main_process_first, main_process_first
+from parallelx.training.metrics import MetricSums, real_mask
+from parallelx.training.preemption import Preemption
+from parallelx.utils import seed_everything
+from parallelx.version import __version__
 
 __all__ = [
     "Backend",

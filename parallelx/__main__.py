@@ -16,12 +16,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import check, envreport, sharded
-from .cli import exit_on_error
-from .errors import ParallelxError
-from .registry import backend_class, markdown_table
-from .runner import launch
-from .trainstate import STATE_FILE, latest_checkpoint
+from parallelx.check import command as check_command
+from parallelx.checkpoints import sharded
+from parallelx.checkpoints.trainstate import STATE_FILE, latest_checkpoint
+from parallelx.cli import exit_on_error
+from parallelx.errors import ParallelxError
+from parallelx.launching import envreport
+from parallelx.launching.runner import launch
+from parallelx.registry import backend_class, markdown_table
 
 
 @exit_on_error
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "names the likely cause of any difference.  Exit status: 0 the same numbers, 1 something differs, "
         "2 the check could not run.",
     )
-    check.command.add_arguments(checking)
+    check_command.add_arguments(checking)
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
     target = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert-checkpoint":
         return _convert(Path(args.src), Path(args.dst))
     if args.command == "check":
-        return check.command.main(args, target)
+        return check_command.main(args, target)
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
 
 

@@ -20,13 +20,13 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
-from .compiling import MODES
-from .errors import ParallelxError
-from .loop import COMPRESSIONS, PRECISIONS
-from .protocol import Backend
-from .registry import available_backends, backend_class, detect_backend, get_backend
-from .settings import DEVICES
-from .tracking import DEFAULT_LOG_EVERY, MonitorOptions, available_trackers, parse_loggers
+from parallelx.backend import Backend
+from parallelx.errors import ParallelxError
+from parallelx.observability import DEFAULT_LOG_EVERY, MonitorOptions, available_trackers, parse_loggers
+from parallelx.parts.loop import COMPRESSIONS, PRECISIONS
+from parallelx.registry import available_backends, backend_class, detect_backend, get_backend
+from parallelx.settings import DEVICES
+from parallelx.transforms.compiling import MODES
 
 F = TypeVar("F", bound=Callable[..., int | None])
 

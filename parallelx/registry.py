@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
-from .environments import detect_environment
-from .errors import BackendUnavailableError, UnknownBackendError
-from .protocol import Backend
+from parallelx.backend import Backend
+from parallelx.errors import BackendUnavailableError, UnknownBackendError
+from parallelx.launching.environments import detect_environment
 
 ENTRY_POINT_GROUP = "parallelx.backends"
 
@@ -76,7 +76,7 @@ def backend_class(name: str) -> type[Backend]:
 def detect_backend(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
     """The backend the cluster environment of this process means.
 
-    The environment (:func:`parallelx.environments.detect_environment`) names
+    The environment (:func:`parallelx.launching.environments.detect_environment`) names
     its backend: torchrun and plain ``RANK``/``WORLD_SIZE`` variables ->
     ``ddp``, horovodrun -> ``horovod``, the deepspeed launcher -> ``deepspeed``,
     none -> ``dp`` with several GPUs, else ``single``.  A third-party backend

@@ -11,8 +11,8 @@ from typing import Any, Literal, cast
 
 import torch
 
-from .errors import ParallelxError
-from .utils import threads_per_process
+from parallelx.errors import ParallelxError
+from parallelx.utils import threads_per_process
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")

@@ -13,6 +13,7 @@ the same numbers on every backend::
 
 from __future__ import annotations
 
-from .check import COULD_NOT_RUN, DIFFERS, SAME, Finding, Report, check_script
+from parallelx.check.command import check_script
+from parallelx.check.report import COULD_NOT_RUN, DIFFERS, SAME, Finding, Report
 
 __all__ = ["COULD_NOT_RUN", "DIFFERS", "SAME", "Finding", "Report", "check_script"]

@@ -254,7 +254,7 @@ def find_checkpoint(backend: Backend, resume: str | None, out_dir: Path) -> Path
         raise ParallelxError(error)
     if found is None:
         backend.print(
-            f"--resume auto: no checkpoint in {out_dir / parallelx.trainstate.SUBDIR} yet; starting from the beginning"
+            f"--resume auto: no checkpoint in {out_dir / parallelx.checkpoints.trainstate.SUBDIR} yet; starting from the beginning"
         )
         return None
     return Path(found)
@@ -267,14 +267,14 @@ def checkpoint_path(resume: str | None, out: Path) -> Path | None:
     if resume == "auto":
         return parallelx.latest_checkpoint(out)
     path = Path(str(resume))
-    if (path / parallelx.trainstate.STATE_FILE).is_file():
+    if (path / parallelx.checkpoints.trainstate.STATE_FILE).is_file():
         return path
     latest = parallelx.latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
         raise ParallelxError(
             f"--resume {path}: no checkpoint there (expected a checkpoint directory holding "
-            f"{parallelx.trainstate.STATE_FILE}, or an --out-dir with "
-            f"{parallelx.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists"
+            f"{parallelx.checkpoints.trainstate.STATE_FILE}, or an --out-dir with "
+            f"{parallelx.checkpoints.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists"
         )
     return latest
 

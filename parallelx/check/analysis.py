@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .report import COULD_NOT_RUN, DIFFERS, SAME, Diff, Finding, Report, Row, fmt
-from .runs import RunResult
+from parallelx.check.report import COULD_NOT_RUN, DIFFERS, SAME, Diff, Finding, Report, Row, fmt
+from parallelx.check.runs import RunResult
 
 #: The least tolerance, by the loop's precision: 16 float32 roundings; the autocast type's rounding.
 MIN_TOLERANCE = {"32": 16 * 2.0**-24, "bf16-mixed": 2.0**-8, "16-mixed": 2.0**-10}

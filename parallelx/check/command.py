@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import ParallelxError
-from .analysis import Analysis
-from .report import Report
-from .runs import plan, run_all
+from parallelx.check.analysis import Analysis
+from parallelx.check.report import Report
+from parallelx.check.runs import plan, run_all
+from parallelx.errors import ParallelxError
 
 DEFAULT_STAGES = (0, 3)
 DEFAULT_STEPS = 3

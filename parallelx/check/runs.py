@@ -1,11 +1,11 @@
 """The runs of a check: which ones, started how, and what each left behind.
 
 Every run is the user's unmodified script under a backend's own launcher
-(:mod:`parallelx.runner`), with ``--backend NAME`` added to its arguments and
-the probe's variables (:mod:`parallelx.checkprobe`) in its environment; it
+(:mod:`parallelx.launching.runner`), with ``--backend NAME`` added to its arguments and
+the probe's variables (:mod:`parallelx.check.probe`) in its environment; it
 stops by itself after the given number of optimizer steps.  Two more runs,
 in one process each, are the reference (a virtual world of N ranks,
-:mod:`parallelx.virtualworld`) and the noise floor (the reference again with
+:mod:`parallelx.check.world`) and the noise floor (the reference again with
 its initial weights perturbed at float32 rounding).
 """
 
@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from .. import checkprobe, runner
-from ..errors import ParallelxError
-from ..registry import available_backends, backend_class
+from parallelx.check import probe as checkprobe
+from parallelx.errors import ParallelxError
+from parallelx.launching import runner
+from parallelx.registry import available_backends, backend_class
 
 #: The backend of the reference and the floor: one process, one device.
 REFERENCE_BACKEND = "single"

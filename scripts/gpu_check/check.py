@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .workers import nccl_dirs
 
 if TYPE_CHECKING:
-    from parallelx.runner import Finished
+    from parallelx.launching.runner import Finished
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The command; the check's own helper processes (the host-sync worker under
@@ -211,7 +211,7 @@ class Check:
                 (self.pythonpath / name).symlink_to(ROOT / name, target_is_directory=True)
 
     def env(self, timeout_s: float) -> dict[str, str]:
-        """What every process the check starts adds to :func:`parallelx.runner.job_env`."""
+        """What every process the check starts adds to :func:`parallelx.launching.runner.job_env`."""
         env = {
             "PARALLELX_TIMEOUT": str(int(max(30, min(120, timeout_s - 10)))),  # before the launch's own timeout
             "PYTHONPATH": os.pathsep.join(filter(None, [str(self.pythonpath), os.environ.get("PYTHONPATH")])),
@@ -229,7 +229,8 @@ class Check:
 
     def launch(self, backend: str, target: list[str], *, timeout_s: float, log_name: str) -> Finished:
         """``target`` under ``backend``'s launcher, one process per GPU (one for the in-process backends)."""
-        from parallelx import backend_class, runner
+        from parallelx import backend_class
+        from parallelx.launching import runner
 
         return runner.launch(
             backend_class(backend).launcher,
@@ -405,7 +406,8 @@ def unavailable(backend: str) -> str | None:
     """Why ``backend`` cannot run here (None when it can), without importing its package."""
     import importlib
 
-    from parallelx import backend_class, runner
+    from parallelx import backend_class
+    from parallelx.launching import runner
 
     importlib.invalidate_caches()  # Horovod may have been installed since the last look
     return runner.unavailable(backend_class(backend))

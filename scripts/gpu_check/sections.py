@@ -86,7 +86,7 @@ class GpuCheck(Check):
         elif shutil.which("nvcc") is None:
             self.skip("install", HOROVOD_BUILD, "nvcc is not on PATH: the NCCL build needs the CUDA compiler")
         else:
-            from parallelx.runner import job_env
+            from parallelx.launching.runner import job_env
 
             self.horovod_log = self.logs / "horovod-build.log"
             print(f"[gpu-check] install / building Horovod in the background (log {self.horovod_log})", flush=True)
@@ -149,7 +149,7 @@ class GpuCheck(Check):
             )
             if res.returncode != 0:
                 raise Fail(f"pip could not install {wheels[-1].name}", log=res.stdout + res.stderr)
-            from parallelx.runner import job_env
+            from parallelx.launching.runner import job_env
 
             # nccl_built() is NCCL's version code, 0 without NCCL; stdout apart, so that a warning cannot hide it.
             probe = subprocess.run(
@@ -187,7 +187,7 @@ class GpuCheck(Check):
 
     def _versions(self) -> Outcome:
         import parallelx
-        from parallelx.envreport import versions
+        from parallelx.launching.envreport import versions
 
         self.facts.update(
             versions(),

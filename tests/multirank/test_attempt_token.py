@@ -1,4 +1,4 @@
-"""parallelx.process_group.attempt_token: the ranks of a restarted torchrun
+"""parallelx.strategies.process_group.attempt_token: the ranks of a restarted torchrun
 attempt agree on a fresh key prefix although the store still holds the keys
 of earlier attempts (whose restart counts may differ from node to node)."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from parallelx.errors import LaunchError
-from parallelx.launch import free_port
-from parallelx.process_group import attempt_token
+from parallelx.launching.launchers import free_port
+from parallelx.strategies.process_group import attempt_token
 
 pytestmark = pytest.mark.timeout(60)
 

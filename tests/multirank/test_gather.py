@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import parallelx
 from parallelx import ParallelxError, ShardedSampler
-from parallelx.batchnorm import SyncBatchNorm
+from parallelx.transforms.batchnorm import SyncBatchNorm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import parallelx
-import parallelx.process_group as pg
+import parallelx.strategies.process_group as pg
 from parallelx import MetricSums
 
 GLOBAL_BATCH = 16
@@ -195,7 +195,7 @@ def main() -> int:
             sums.update(chunk, chunk.long() % 2 == 0)
         report["metrics"] = sums.compute(backend)
 
-    # 6. the last collective's handle outlives this function (see parallelx.process_group._RECENT_WORK)
+    # 6. the last collective's handle outlives this function (see parallelx.strategies.process_group._RECENT_WORK)
     backend.barrier()
     held = list(pg._RECENT_WORK)
     report["last_work_held"] = bool(held) and all(work.is_completed() for work in held)

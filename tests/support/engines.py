@@ -160,7 +160,7 @@ def reference_run(data: Path, out: Path) -> Path:
     """The plain recipe under torchrun, 2 processes, no checkpoint option."""
     from launching import launcher_for
 
-    from parallelx.launch import free_port
+    from parallelx.launching.launchers import free_port
 
     start = time.monotonic()
     cmd = launcher_for("torchrun").command(

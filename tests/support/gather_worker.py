@@ -276,7 +276,7 @@ def buffer_cost(backend: parallelx.Backend) -> dict[str, float]:
 
     from torchvision.models import resnet18
 
-    from parallelx.buffers import sync_buffers
+    from parallelx.transforms.buffers import sync_buffers
 
     model = resnet18(num_classes=10)
     wrapped, opt = backend.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))

@@ -1,8 +1,8 @@
 """Start real launchers (torchrun, horovodrun, deepspeed) from tests, with a
 hard timeout that kills the whole process tree: a hung collective fails its
 test instead of hanging the run.  The command lines come from each backend's
-own :class:`parallelx.launch.Launcher`, and the jobs run through
-:mod:`parallelx.runner`, as the command line's and the benchmarks' do."""
+own :class:`parallelx.launching.launchers.Launcher`, and the jobs run through
+:mod:`parallelx.launching.runner`, as the command line's and the benchmarks' do."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallelx import backend_class, runner
-from parallelx.launch import Launcher
+from parallelx import backend_class
+from parallelx.launching import runner
+from parallelx.launching.launchers import Launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

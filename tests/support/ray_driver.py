@@ -1,4 +1,4 @@
-"""Run several ``python -m parallelx.ray`` jobs, one after the other, in one
+"""Run several ``python -m parallelx.launching.ray_train`` jobs, one after the other, in one
 local Ray cluster started here once (its start-up costs seconds), then stop it.
 
     python tests/support/ray_driver.py '[["-n", "2", "-m", "recipes.cifar10", ...], [...]]'
@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from parallelx import ray as ray_launch
+from parallelx.launching import ray_train as ray_launch
 
 if __name__ == "__main__":
     jobs = json.loads(sys.argv[1])

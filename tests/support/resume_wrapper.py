@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import parallelx.trainstate
+import parallelx.checkpoints.trainstate
 from parallelx import Backend, ShardedSampler
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -81,7 +81,7 @@ def step(self, optimizer, scheduler=None):  # type: ignore[no-untyped-def]
     return result
 
 
-_write = parallelx.trainstate._write
+_write = parallelx.checkpoints.trainstate._write
 
 
 def write(obj, path):  # type: ignore[no-untyped-def]
@@ -125,7 +125,7 @@ def sampler_iter(self):  # type: ignore[no-untyped-def]
 
 
 Backend.step = step  # type: ignore[method-assign]
-parallelx.trainstate._write = write
+parallelx.checkpoints.trainstate._write = write
 ShardedSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
 
 if os.environ.get("PXT_PIDS"):

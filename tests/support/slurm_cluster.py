@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from parallelx.launch import free_port
+from parallelx.launching.launchers import free_port
 
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel", "scontrol")
 CPUS = 2

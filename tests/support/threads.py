@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelx.collectives import Collectives
-from parallelx.protocol import Backend
+from parallelx.backend import Backend
+from parallelx.parts.collectives import Collectives
 
 
 class Meeting:

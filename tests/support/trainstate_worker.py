@@ -193,7 +193,7 @@ def main() -> None:
 def resume(backend: parallelx.Backend, path: Path, tag: str) -> dict[str, Any]:
     """Build everything afresh (other initial weights), load ``path``, check
     that what was loaded is what the file holds, train ``MORE`` steps."""
-    optim = parallelx.trainstate._optimizer_type
+    optim = parallelx.checkpoints.trainstate._optimizer_type
     saved = torch.load(path / "state.pt", weights_only=True)
     run = Run(
         backend, "sgd" if saved["meta"]["optimizer"] == "SGD" else "adamw", init_seed=99, dropout=0.0, noise=False

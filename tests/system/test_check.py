@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from launching import ROOT, require_launcher
 
-from parallelx import runner
 from parallelx.check.report import COULD_NOT_RUN, DIFFERS, SAME, Report, from_dict
+from parallelx.launching import runner
 from parallelx.testing import check_script
 
 pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(900)]

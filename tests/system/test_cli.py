@@ -32,7 +32,7 @@ def test_import_parallelx_imports_no_heavy_backend_package():
 
 
 def test_env_probes_share_one_interpreter_and_a_crash_is_pinned_on_its_own_backend():
-    from parallelx import envreport
+    from parallelx.launching import envreport
 
     codes = {
         "fine": "print('noise'); print('fine 1.0')",
@@ -84,7 +84,11 @@ def test_the_wheel_installs_nothing_generic_at_top_level(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"parallelx"}, top
-    for module in ("parallelx/backends/deepspeed.py", "parallelx/recipes/dogcat.py", "parallelx/launch.py"):
+    for module in (
+        "parallelx/backends/deepspeed.py",
+        "parallelx/recipes/dogcat.py",
+        "parallelx/launching/launchers.py",
+    ):
         assert module in names
 
 

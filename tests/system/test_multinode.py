@@ -36,7 +36,7 @@ import torch
 from launching import BIN, ROOT, Result, latest_step, launch, launcher_for, require_launcher, wait_for
 from netns import unavailable as no_namespaces
 
-from parallelx.launch import free_port, resolve_program
+from parallelx.launching.launchers import free_port, resolve_program
 
 pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(180)]
 

@@ -34,9 +34,9 @@ from engines import ARGS, assert_bitwise, assert_exact_metrics, job_env, rel_err
 from launching import BIN, ROOT, latest_step, require_launcher, wait_for
 from netns import Cluster, Job, run_on_nodes, sweep, unavailable
 
-from parallelx import checkpoint
-from parallelx.launch import free_port
-from parallelx.trainstate import STATE_FILE, latest_checkpoint
+from parallelx.checkpoints.trainstate import STATE_FILE, latest_checkpoint
+from parallelx.launching.launchers import free_port
+from parallelx.parts import portable as checkpoint
 
 pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(240)]
 

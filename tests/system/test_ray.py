@@ -1,4 +1,4 @@
-"""The CIFAR-10 recipe as a Ray Train job (``python -m parallelx.ray``, 2 CPU
+"""The CIFAR-10 recipe as a Ray Train job (``python -m parallelx.launching.ray_train``, 2 CPU
 workers) in a real local Ray cluster, started once for every job here by
 tests/support/ray_driver.py: ddp with a worker SIGKILLed after the first
 checkpoint (Ray replaces the worker group, ``FailureConfig(max_failures=1)``,

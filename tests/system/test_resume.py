@@ -34,7 +34,7 @@ import pytest
 import torch
 from launching import BIN, ROOT, latest_step, launcher_for, rel_err, require_launcher, wait_for
 
-from parallelx.launch import free_port
+from parallelx.launching.launchers import free_port
 
 EPOCHS, N_TRAIN, N_TEST = 2, 256, 32
 ARGS = [

@@ -18,7 +18,7 @@ from engines import ARGS, assert_bitwise, assert_exact_metrics, job_env, rel_err
 from launching import ROOT, latest_step, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 
-from parallelx.launch import free_port
+from parallelx.launching.launchers import free_port
 
 pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(240)]
 
@@ -123,7 +123,7 @@ def test_srun_tasks_run_each_backend_that_fits_to_the_torchrun_weights(
 
 PROBE = """
 import parallelx
-from parallelx.envreport import cluster_lines
+from parallelx.launching.envreport import cluster_lines
 from parallelx.errors import LaunchError
 print(*cluster_lines(), sep="\\n")
 try:

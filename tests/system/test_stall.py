@@ -16,8 +16,8 @@ import time
 import pytest
 from launching import BIN, ROOT, launch, launcher_for, require_launcher
 
-from parallelx.launch import free_port
-from parallelx.watchdog import EXIT_STALLED
+from parallelx.launching.launchers import free_port
+from parallelx.parts.watchdog import EXIT_STALLED
 
 TIMEOUT_S = 6
 # Start-up (DeepSpeed's is ~15 s on 2 busy cores), then the timeout, then the launcher's clean-up.

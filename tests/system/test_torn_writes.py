@@ -15,7 +15,7 @@ from launching import ROOT
 from trainstate_worker import Run
 
 import parallelx
-from parallelx.trainstate import latest_checkpoint
+from parallelx.checkpoints.trainstate import latest_checkpoint
 
 CRASH_SCRIPT = """
 import sys, torch, parallelx

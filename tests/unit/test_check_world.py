@@ -1,5 +1,5 @@
-"""The check's one-process reference (``parallelx.virtualworld``) and its probe
-(``parallelx.checkprobe``), in this process: the virtual ranks read exactly
+"""The check's one-process reference (``parallelx.check.world``) and its probe
+(``parallelx.check.probe``), in this process: the virtual ranks read exactly
 the batches (and draw exactly the random numbers) that real ranks read, and
 the reference's gradients are the average of the ranks' gradients."""
 
@@ -14,9 +14,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 import parallelx
-from parallelx import checkprobe, virtualworld
-from parallelx.sampler import ShardedSampler
-from parallelx.virtualworld import StepsOfN, VirtualWorld
+from parallelx.check import probe as checkprobe
+from parallelx.check import world as virtualworld
+from parallelx.check.world import StepsOfN, VirtualWorld
+from parallelx.parts.sampler import ShardedSampler
 
 N = 2
 

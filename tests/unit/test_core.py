@@ -162,8 +162,8 @@ def test_save_is_atomic_and_failure_keeps_the_old_file(tmp_path):
 
 # ------------------------------------------------------------------ protocol
 def test_a_backend_missing_a_collective_cannot_be_created():
-    from parallelx.collectives import Collectives
-    from parallelx.protocol import Backend
+    from parallelx.backend import Backend
+    from parallelx.parts.collectives import Collectives
 
     class Forgetful(Collectives):  # collectives that forgot barrier and broadcast
         def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -185,7 +185,7 @@ def test_a_backend_missing_a_collective_cannot_be_created():
             return model
 
     with pytest.raises(parallelx.ParallelxError, match="sets self.comm in _init"):
-        NoCollectives(environment=parallelx.environments.detect_environment({}, [])).init()
+        NoCollectives(environment=parallelx.launching.environments.detect_environment({}, [])).init()
 
 
 def test_auto_is_a_backend_name_everywhere():

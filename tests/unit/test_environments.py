@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import parallelx
-from parallelx.environments import (
+from parallelx.errors import LaunchError, ParallelxError
+from parallelx.launching.environments import (
     ClusterEnvironment,
     World,
     available_environments,
@@ -19,9 +20,8 @@ from parallelx.environments import (
     environment_class,
     register_environment,
 )
-from parallelx.environments.slurm import Slurm, derived_port, expand_hostlist, expand_tasks_per_node
-from parallelx.errors import LaunchError, ParallelxError
-from parallelx.launch import free_port
+from parallelx.launching.environments.slurm import Slurm, derived_port, expand_hostlist, expand_tasks_per_node
+from parallelx.launching.launchers import free_port
 
 TORCHRUN = {
     "RANK": "3",
@@ -121,7 +121,7 @@ def test_environments_register_and_are_tried_by_priority():
         assert env.name == "scheduler-test" and env.world().rank == 1
         assert parallelx.detect_backend({"SCHED_TASK": "1"}, ["t.py"]) == "ddp"
     finally:
-        from parallelx import environments
+        from parallelx.launching import environments
 
         environments._ENVIRONMENTS.pop("scheduler-test")
     with pytest.raises(ParallelxError, match="named ClusterEnvironment subclass"):
@@ -346,7 +346,7 @@ def ray_worker(monkeypatch):
     import sys
     import types
 
-    from parallelx.environments import ray as ray_env
+    from parallelx.launching.environments import ray_worker as ray_env
 
     calls: dict[str, list] = {"report": [], "restored": []}
     train = types.SimpleNamespace(
@@ -412,7 +412,7 @@ def test_outside_a_ray_train_function_ray_is_not_detected():
 
 
 def test_the_ray_launcher_splits_its_options_from_the_scripts():
-    from parallelx.ray import split_argv
+    from parallelx.launching.ray_train import split_argv
 
     assert split_argv(["-n", "2", "--gpu", "-m", "recipes.cifar10", "--backend", "ddp", "-n", "x"]) == (
         ["-n", "2", "--gpu"],

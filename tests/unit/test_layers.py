@@ -1,5 +1,5 @@
-"""The package's shape, checked: layers without import circles, backend
-knowledge only in backends/.
+"""The package's shape, checked: the folders are the layers, no import circle
+(type-only imports counted), backend knowledge only in backends/.
 
 Read from the source (ast), so it needs no import and no subprocess."""
 
@@ -7,58 +7,37 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Bottom to top: a module may import its own layer's and lower layers' modules only.
+#: Bottom to top: a package (or top-level module) may import its own and lower layers only.
+#: docs/protocol.md's table of the tree follows this list.
 LAYERS: list[set[str]] = [
-    {"errors", "log", "utils", "version", "watchdog", "batchnorm"},
-    {
-        "settings",
-        "state",
-        "launch",
-        "runner",
-        "environments",
-        "precision",
-        "network",
-        "collectives",
-        "units",
-        "throughput",
-        "profiling",
-    },
-    {
-        "checkpoint",
-        "sampler",
-        "metrics",
-        "buffers",
-        "loop",
-        "gather",
-        "elastic",
-        "sharded",
-        "gradsync",
-        "stateio",
-        "compiling",
-        "activations",
-        "lockstep",
-        "tracking",
-        "checkprobe",
-        "virtualworld",
-    },
-    {"protocol"},
-    {"local", "process_group", "trainstate", "preempt", "main_process"},
+    {"errors", "log", "utils", "version"},
+    {"settings", "transforms"},  # timeouts, devices; what is done to a model before and around wrapping
+    {"launching"},  # where the ranks come from, how processes start, the network
+    {"parts"},  # collectives, gradient sync, precision, state in and out, the loop, the sampler, ...
+    {"observability"},  # the monitor, throughput, profiles, trackers
+    {"strategy"},  # what a backend author subclasses
+    {"backend"},  # the facade users call
+    {"strategies", "training", "checkpoints"},  # strategy bases; helpers over the facade; training-state files
     {"registry"},
-    {"cli", "envreport", "backends", "ray", "check", "testing"},
+    {"cli", "check", "backends", "testing"},
     {"__init__", "__main__"},
 ]
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
-HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (parallelx/tracking/)
+HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (observability/trackers/)
 HEAVY += ("torch.utils.flop_counter",)  # it imports triton where torch has it: only when FLOPs are counted
+HEAVY += ("safetensors", "transformers", "huggingface_hub")  # big-model formats, where a user has them
+#: No folder of parallelx/ holds more modules than this (a newcomer reads a folder's names at a glance).
+MOST_MODULES = 15
 
 
 def modules() -> dict[str, Path]:
-    """``layer name`` -> file, for parallelx/ (environments/ counts as one module) and backends/."""
+    """``parallelx/<path>`` or ``backends/<name>`` -> file."""
     found = {}
     for path in sorted((ROOT / "parallelx").rglob("*.py")):
         rel = path.relative_to(ROOT / "parallelx")
@@ -69,24 +48,25 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(key: str) -> str:
+    """The layer a file belongs to: its top-level package, or its own name for a top-level module."""
     if key.startswith("backends/"):
         return "backends"
     rel = key.removeprefix("parallelx/")
     return rel.split("/")[0] if "/" in rel else rel.removesuffix(".py")
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-            inside.update(id(n) for n in ast.walk(node))
-    return inside
+def module_name(key: str) -> str:
+    """``parallelx/parts/loop.py`` -> ``parallelx.parts.loop`` (``backends/x.py`` -> ``parallelx.backends.x``)."""
+    if key.startswith("backends/"):
+        key = "parallelx/" + key
+    name = key.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
 
 
-def imports(path: Path, key: str) -> tuple[set[str], list[str]]:
-    """The package layers ``path`` imports at run time, and its function-local imports."""
+def imports(path: Path, key: str) -> tuple[set[str], list[str], set[str]]:
+    """The layers ``path`` imports (type-only imports included: a circle of types is a circle of
+    design), its function-local imports, and the parallelx modules it names."""
     tree = ast.parse(path.read_text())
-    typing_only = _type_checking_nodes(tree)
     local_nodes = {
         id(n)
         for f in ast.walk(tree)
@@ -94,55 +74,49 @@ def imports(path: Path, key: str) -> tuple[set[str], list[str]]:
         for n in ast.walk(f)
         if isinstance(n, (ast.Import, ast.ImportFrom))
     }
-    package = key.removeprefix("parallelx/").split("/")[:-1]
+    package = module_name(key).split(".")
+    if not key.endswith("__init__.py"):
+        package = package[:-1]
     targets: set[str] = set()
+    named: set[str] = set()
     local: list[str] = []
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[: len(package) - (node.level - 1)] if key.startswith("parallelx/") else ["backends"]
-            parts = [*base, *(node.module.split(".") if node.module else [])]
-            names = [parts[0] if parts else a.name for a in node.names]
-            mods = [".".join(["parallelx", *parts])] if parts else [f"parallelx.{n}" for n in names]
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - (node.level - 1)], *([base] if base else [])])
+            # `from pkg import name` names pkg.name where that is a module, else pkg itself.
+            mods = [f"{base}.{a.name}" for a in node.names] if base.startswith("parallelx") else [base]
         else:
-            mods = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            if isinstance(node, ast.ImportFrom) and node.module == "parallelx":
-                mods = [f"parallelx.{a.name}" for a in node.names]
+            mods = [a.name for a in node.names]
         for mod in filter(None, mods):
             if id(node) in local_nodes:
                 local.append(mod)
-            if mod.startswith("parallelx.backends"):
+            if not (mod == "parallelx" or mod.startswith("parallelx.")):
+                continue
+            parts = mod.split(".")
+            if len(parts) > 1 and parts[1] == "backends":
                 targets.add("backends")
-            elif mod.startswith("parallelx."):
-                targets.add(mod.split(".")[1])
-            elif mod == "parallelx":
+            elif len(parts) > 1 and (
+                (ROOT / "parallelx" / parts[1]).exists() or (ROOT / "parallelx" / f"{parts[1]}.py").exists()
+            ):
+                targets.add(parts[1])
+            else:
                 targets.add("__init__")
+            named.add(mod)
     targets.discard(layer_of(key))
-    return targets, local
+    return targets, local, named
 
 
-def test_imports_follow_the_layers_and_have_no_circle():
-    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-    graph: dict[str, set[str]] = {}
-    wrong = []
-    for key, path in modules().items():
-        me = layer_of(key)
-        assert me in rank, f"{key}: give it a layer in LAYERS"
-        targets, _ = imports(path, key)
-        graph.setdefault(me, set()).update(targets)
-        for t in targets:
-            assert t in rank, f"{key} imports parallelx.{t}, which has no layer"
-            if rank[t] > rank[me]:
-                wrong.append(f"{key} (layer {rank[me]}) imports {t} (layer {rank[t]})")
-    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
-    # And no circle at all, whatever the layers say.
+def _no_circle(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
-            assert state.get(nxt) != 1, f"import circle: {' -> '.join([*trail, node, nxt])}"
+            assert state.get(nxt) != 1, f"import circle between {what}: {' -> '.join([*trail, node, nxt])}"
             if nxt not in state:
                 visit(nxt, [*trail, node])
         state[node] = 2
@@ -152,10 +126,52 @@ def test_imports_follow_the_layers_and_have_no_circle():
             visit(node, [])
 
 
+def test_imports_follow_the_layers_and_have_no_circle():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph: dict[str, set[str]] = {}
+    wrong = []
+    for key, path in modules().items():
+        me = layer_of(key)
+        assert me in rank, f"{key}: give it a layer in LAYERS"
+        targets, _, _ = imports(path, key)
+        graph.setdefault(me, set()).update(targets)
+        for t in targets:
+            assert t in rank, f"{key} imports parallelx.{t}, which has no layer"
+            if rank[t] > rank[me]:
+                wrong.append(f"{key} (layer {rank[me]}) imports {t} (layer {rank[t]})")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+    _no_circle(graph, "packages")  # and none at all, whatever the layers say
+
+
+def test_modules_have_no_import_circle():
+    """Inside a package too: no module imports one that imports it back (type-only imports counted)."""
+    found = modules()
+    names = {module_name(k): k for k in found}
+    graph: dict[str, set[str]] = {}
+    for key, path in found.items():
+        _, _, named = imports(path, key)
+        me = module_name(key)
+        # `from parallelx.parts import loop` names parallelx.parts.loop; a package's __init__ is its own node.
+        graph[me] = {m for m in named if m in names and m != me and not me.startswith(m + ".")}
+    _no_circle(graph, "modules")
+
+
+def test_the_tree_reads_at_a_glance():
+    """No two modules share a name, and no folder holds more than MOST_MODULES modules."""
+    files = list((ROOT / "parallelx").rglob("*.py"))
+    names = Counter(p.name for p in files if p.name not in ("__init__.py", "__main__.py"))
+    assert not [n for n, c in names.items() if c > 1], (
+        f"modules that share a name: {[n for n, c in names.items() if c > 1]}"
+    )
+    per_folder = Counter(p.parent.relative_to(ROOT) for p in files)
+    crowded = {str(k): v for k, v in per_folder.items() if v > MOST_MODULES}
+    assert not crowded, f"folders over {MOST_MODULES} modules: {crowded}"
+
+
 def test_function_local_imports_are_only_for_heavy_optional_packages():
     offenders = []
     for key, path in modules().items():
-        _, local = imports(path, key)
+        _, local, _ = imports(path, key)
         offenders += [f"{key}: {m}" for m in local if not m.startswith(HEAVY)]
     assert not offenders, "import these at the top of the module:\n" + "\n".join(offenders)
 
@@ -175,13 +191,22 @@ def test_no_backend_knowledge_outside_backends():
 
 
 def test_the_checker_sees_a_circle(tmp_path):
-    """The checks above can fail: fed a circle, the import reader reports both edges."""
-    a = tmp_path / "a.py"
-    a.write_text("from .b import x\n")
-    assert imports(a, "parallelx/a.py")[0] == {"b"}
+    """The checks above can fail: fed a circle, the import reader reports both edges, type-only ones too."""
+    (tmp_path / "a.py").write_text("from .backend import x\n")
+    assert imports(tmp_path / "a.py", "parallelx/a.py")[0] == {"backend"}
+    (tmp_path / "t.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from parallelx.backend import B\n"
+    )
+    assert imports(tmp_path / "t.py", "parallelx/parts/t.py")[0] == {"backend"}
     f = tmp_path / "f.py"
     f.write_text("def g():\n    from .sampler import ShardedSampler\n")
-    assert imports(f, "parallelx/f.py")[1] == ["parallelx.sampler"]
+    assert imports(f, "parallelx/parts/f.py")[1] == ["parallelx.parts.sampler.ShardedSampler"]
+    try:
+        _no_circle({"a": {"b"}, "b": {"a"}}, "test")
+    except AssertionError as exc:
+        assert "a -> b -> a" in str(exc)
+    else:
+        raise AssertionError("a circle went unseen")
 
 
 #: Underscore attributes of other objects that code outside backends/ may read, each with why.

@@ -12,7 +12,7 @@ from torch import nn
 
 import parallelx
 from parallelx.errors import ParallelxError
-from parallelx.loop import LoopOptions
+from parallelx.parts.loop import LoopOptions
 
 
 def _data(n: int = 7, b: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""parallelx.network without a cluster: the interface rule over an in-memory
+"""parallelx.launching.network without a cluster: the interface rule over an in-memory
 store with ranks as threads, the start-up errors from torch's own messages,
 reachability over this machine's loopback, and ``env --network``'s report.
 The same code across real namespaces: tests/system/test_netns.py."""
@@ -14,10 +14,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallelx import envreport, network
-from parallelx.environments.torchelastic import TorchElastic
 from parallelx.errors import LaunchError
-from parallelx.launch import free_port
+from parallelx.launching import envreport, network
+from parallelx.launching.environments.torchelastic import TorchElastic
+from parallelx.launching.launchers import free_port
 
 #: Two machines' tables: the master (n0) and another (n1), each with a decoy first.
 N0 = {"lo": ["127.0.0.1"], "eth0": ["10.9.0.10"], "eth1": ["10.7.0.10"]}

@@ -23,10 +23,11 @@ from threads import Meeting, ThreadBackend
 from torch import nn
 
 import parallelx
-from parallelx import ParallelxError, throughput
-from parallelx.protocol import Backend
-from parallelx.tracking import MonitorOptions, Tracker, monitor, register_tracker, registry
-from parallelx.tracking.registry import _REGISTERED
+from parallelx import ParallelxError
+from parallelx.backend import Backend
+from parallelx.observability import MonitorOptions, Tracker, monitor, register_tracker, throughput
+from parallelx.observability.trackers import catalog as registry
+from parallelx.observability.trackers.catalog import _REGISTERED
 from recipes.models import LeNet
 
 pytestmark = pytest.mark.timeout(120)
@@ -244,7 +245,7 @@ def test_third_party_trackers_by_registration_and_entry_point(tmp_path, monkeypa
     )
     register_tracker("memory", MemoryTracker)
     try:
-        assert "fromplugin" in parallelx.tracking.available_trackers()
+        assert "fromplugin" in parallelx.observability.available_trackers()
         assert registry.tracker_class("fromplugin") is MemoryTracker
         MemoryTracker.seen.clear()
         with parallelx.get_backend("single", loggers="memory", log_dir=tmp_path, monitor={"throughput": False}) as b:

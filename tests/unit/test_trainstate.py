@@ -15,7 +15,7 @@ from trainstate_worker import DATASET_SIZE, Run, max_diff
 
 import parallelx
 from parallelx import MetricSums, ParallelxError, ShardedSampler
-from parallelx.trainstate import latest_checkpoint, load_training_state, save_training_state
+from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

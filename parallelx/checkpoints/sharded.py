@@ -1,0 +1,108 @@
+"""Sharded training-state checkpoints: every rank writes only its shards.
+
+A backend that shards its parameters (``fsdp`` with ``sharded_checkpoints=True``)
+hands :func:`parallelx.save_training_state` this rank's shards by name
+(``StateIO.sharded_state``) instead of whole tensors; they are written with
+``torch.distributed.checkpoint`` (DCP) into the checkpoint's temporary
+directory, beside the usual files, and published with it in one rename::
+
+    <run_dir>/checkpoints/step-00000120/state.pt        everything but the tensors of model and optimizer
+    <run_dir>/checkpoints/step-00000120/shards/          DCP: .metadata and one file per rank
+    <run_dir>/checkpoints/step-00000120/rng-rank0.pt ...
+
+No process ever holds the whole model.  Loading cuts the saved shards anew
+for this world size: the sharding backend reads its own slices
+(``StateIO.load_sharded_state``); any other backend reads the whole tensors.
+``python -m parallelx convert-checkpoint SRC DST`` makes one portable file of
+a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallelx.errors import ParallelxError
+from parallelx.parts import portable as checkpoint
+from parallelx.parts.stateio import StateIO, plain_key
+
+#: The DCP folder inside a checkpoint directory.
+SHARDS = "shards"
+
+
+def write(shards: dict[str, Any], directory: Path) -> None:
+    """Write this rank's ``{"model": ..., "optimizer": {"state": ...}}`` shards
+    under ``directory/shards``.  A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {"model": shards["model"], "optimizer": {"state": shards["optimizer"]["state"]}}
+    dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
+
+
+def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
+    """What ``state.pt`` keeps of a sharded optimizer state: its param groups (the tensors are in the shards)."""
+    return {"state": {}, "param_groups": shards["optimizer"]["param_groups"]}
+
+
+def read_whole(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's and the optimizer's whole tensors from ``directory/shards``
+    (written at any world size), on the CPU, read by this process alone."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = directory / SHARDS
+    if not (folder / ".metadata").is_file():
+        raise ParallelxError(f"{directory} is not a sharded checkpoint (no {SHARDS}/.metadata)")
+    # torch's own conversion (whole tensors from the shards' index), through a temporary file.
+    with tempfile.TemporaryDirectory(prefix="parallelx-whole-") as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(folder, whole)
+        state = torch.load(whole, map_location="cpu", weights_only=True)
+    return state["model"], state.get("optimizer", {}).get("state", {})
+
+
+def saved_keys(directory: Path) -> set[str]:
+    """The model's state-dict keys in a sharded checkpoint, from its index alone."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(directory / SHARDS)).read_metadata()
+    return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
+
+
+def load(io: StateIO, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
+    """Load a sharded checkpoint's model and optimizer state through a backend's
+    state part: its own slices where it shards, else the whole tensors.  Every rank calls it."""
+    live = {plain_key(k) for k in io.unwrap(model).state_dict()}
+    keys = saved_keys(path)
+    if keys != live:
+        raise ParallelxError(
+            f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
+            f"this model {sorted(keys - live)[:3]}"
+        )
+    if io.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
+        return
+    weights, optim = read_whole(path)
+    io.load_model_state_dict(model, weights)
+    io.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
+
+
+def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Write the portable single file of the sharded checkpoint whose
+    ``state.pt`` is ``state_file`` to ``dst``: ``state.pt``'s layout with the
+    whole model and optimizer in it, readable by ``torch.load(dst,
+    weights_only=True)``.  One process, no launcher."""
+    path = Path(state_file).parent
+    state = checkpoint.load(state_file)
+    if not isinstance(state, dict) or not state.get("meta", {}).get("sharded"):
+        raise ParallelxError(
+            f"{path} is not a sharded checkpoint: its {Path(state_file).name} already is the portable file"
+        )
+    weights, optim = read_whole(path)
+    state["model"] = weights
+    state["optimizer"] = {**state["optimizer"], "state": optim}
+    state["meta"] = {**state["meta"], "sharded": False}
+    checkpoint.atomic_save(state, dst)
+    return Path(dst)

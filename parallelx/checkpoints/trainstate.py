@@ -1,0 +1,458 @@
+"""Training-state checkpoints: stop a run anywhere, resume it exactly.
+
+Every rank calls both functions (gathering sharded state is collective)::
+
+    path = parallelx.latest_checkpoint(run_dir)              # None on a fresh start
+    if path is not None:
+        info = parallelx.load_training_state(backend, path, model=model, optimizer=optimizer,
+                                              scheduler=scheduler, sampler=sampler)
+        counters = info["counters"]                            # what was passed to save
+    parallelx.save_training_state(backend, run_dir, step=counters["global_step"], model=model,
+                                  optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                                  counters=counters)
+
+Layout, all plain PyTorch files that ``torch.load(path, weights_only=True)`` reads::
+
+    <run_dir>/checkpoints/latest                  the newest complete checkpoint's name
+    <run_dir>/checkpoints/step-00000120/state.pt  model, optimizer, scheduler, scaler, sampler, counters, meta
+    <run_dir>/checkpoints/step-00000120/rng-rank0.pt, rng-rank1.pt, ...   one per rank
+
+Written into a hidden directory, flushed, then renamed in one step and named
+in ``latest``: a crash at any moment leaves the complete new checkpoint or
+none, never touching the previous ones (the newest ``keep`` are kept).
+``<run_dir>`` must be a directory that every rank sees.  The optimizer's state
+is keyed by parameter name and gathered whole from backends that shard it, so
+a checkpoint loads on any backend at any world size; a rank that has no RNG
+state in it (the world grew) starts from rank 0's.
+
+For an exact continuation give the DataLoader its own generator (every
+``iter(loader)`` draws a seed from the global one), and with loader workers
+pass ``sampler=sampler.state_dict(consumed=batches_done * batch_size)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from parallelx import log
+from parallelx.checkpoints import sharded
+from parallelx.errors import ParallelxError, first_line
+from parallelx.launching.environments import detect_environment
+from parallelx.parts import portable as checkpoint
+
+# The pure helpers on optimizer state by name belong to this module's documented interface too.
+from parallelx.parts.state import (  # noqa: F401
+    check_named_groups,
+    indexed_optimizer_state,
+    load_named_optimizer_state,
+    named_from_indexed,
+    named_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+from parallelx.parts.stateio import plain_key
+from parallelx.version import __version__
+
+if TYPE_CHECKING:
+    from parallelx.backend import Backend
+    from parallelx.parts.sampler import ShardedSampler
+
+#: Version of the layout of ``state.pt``; a reader refuses newer ones.
+FORMAT_VERSION = 1
+SUBDIR = "checkpoints"
+LATEST = "latest"
+STATE_FILE = "state.pt"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+# ----------------------------------------------------------------- saving
+def save_training_state(
+    backend: Backend,
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
+    sampler: ShardedSampler | Mapping[str, Any] | None = None,
+    counters: Mapping[str, int],
+    loader_seed: int | None = None,
+    keep: int = 3,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a complete training-state checkpoint for ``step`` under
+    ``directory/checkpoints/`` and return its path.  **Every rank must call
+    this.**  ``counters`` are the loop's integers (epoch, step in epoch, ...);
+    ``sampler`` is a :class:`parallelx.ShardedSampler` or the dict its
+    ``state_dict(consumed=...)`` returned.  The newest ``keep`` checkpoints
+    are kept, older ones removed once the new one is complete.  ``extra`` is
+    the main rank's own loop state (floats, lists, dicts: metrics so far),
+    stored as given and returned by :func:`load_training_state`.  ``scaler``
+    defaults to the backend's own (``backend.grad_scaler``, under 16-mixed)."""
+    _require_initialized(backend)
+    scaler = backend.grad_scaler if scaler is None else scaler  # 16-mixed's loss scale resumes too
+    if keep < 1:
+        raise ParallelxError(f"save_training_state(keep=...) must be >= 1, got {keep}")
+    if not isinstance(step, int) or step < 0:
+        raise ParallelxError(f"save_training_state(step=...) must be an int >= 0, got {step!r}")
+    counters = _check_counters(counters)
+    if loader_seed is not None and not isinstance(loader_seed, int):
+        raise ParallelxError(f"loader_seed must be an int or None, got {type(loader_seed).__name__}")
+    root = Path(directory) / SUBDIR
+    name = f"step-{step:08d}"
+
+    # Collectives first, in the same order on every rank.  A sharding backend may hand out its shards instead.
+    io = backend.state_io
+    shards = io.sharded_state(model, optimizer)
+    model_state = io.model_state_dict(model) if shards is None else None
+    optim_state = io.named_optimizer_state(model, optimizer) if shards is None else sharded.skeleton(shards)
+    rng = rng_state()
+
+    state: dict[str, Any] | None = None
+    if backend.is_main():
+        sampler_state = None
+        if sampler is not None:
+            sampler_state = dict(sampler) if isinstance(sampler, Mapping) else sampler.state_dict()
+        state = {
+            "meta": {**_metadata(backend, optimizer, step), "sharded": shards is not None},
+            "model": model_state,
+            "optimizer": optim_state,
+            "scheduler": None if scheduler is None else checkpoint.to_cpu(scheduler.state_dict()),
+            "scaler": None if scaler is None else checkpoint.to_cpu(scaler.state_dict()),
+            "sampler": sampler_state,
+            "counters": counters,
+            "loader_seed": loader_seed,
+            "extra": None if extra is None else plain(extra, "extra"),
+        }
+
+    # Rank 0 makes the temporary directory; every rank writes its files into it.
+    tmp, error = None, None
+    if backend.is_main():
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+        except OSError as exc:
+            error = f"cannot create a checkpoint directory under {root}: {exc}"
+    tmp, error = backend.broadcast((tmp, error), src=0)
+    if error is not None:
+        raise ParallelxError(error)
+    assert tmp is not None  # error was None: rank 0 made it
+    tmp_dir = Path(tmp)
+    mine = None
+    try:
+        _write(plain(rng), tmp_dir / f"rng-rank{backend.rank}.pt")
+        if shards is not None:  # every rank writes its own shards (a collective)
+            sharded.write(shards, tmp_dir)
+        if state is not None:
+            _write(plain(state), tmp_dir / STATE_FILE)
+    except Exception as exc:  # reported to every rank below
+        mine = f"writing the checkpoint failed on rank {backend.rank}: {type(exc).__name__}: {exc}"
+    try:
+        _agree(backend, mine)
+    except ParallelxError:
+        if backend.is_main():  # every rank is past its writes: the half-made directory can go
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+    # Every file is on disk: rank 0 publishes the directory, then names it in `latest`.
+    final = root / name
+    error = None
+    if backend.is_main():
+        try:
+            checkpoint.fsync_dir(tmp_dir)
+            _publish(tmp_dir, final)
+            _write_latest(root, name)
+            _prune(root, keep, name)
+        except Exception as exc:
+            error = f"publishing checkpoint {final} failed: {type(exc).__name__}: {exc}"
+    error = backend.broadcast(error, src=0)
+    if error is not None:
+        raise ParallelxError(error)
+    if backend.environment is not None:  # (Ray Train keeps a copy)
+        backend.environment.checkpoint_saved(final, step)
+    return final
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``directory/checkpoints/``, or None.
+
+    ``latest`` names it; a half-written checkpoint never has a final name, so it
+    is never returned.  When ``latest`` is missing or names a checkpoint that is
+    gone, the highest step present is taken, with a warning."""
+    root = Path(directory) / SUBDIR
+    if not root.is_dir():  # the copy a scheduler restarted this run with (Ray Train's), if any
+        return detect_environment().restored_checkpoint()
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
+            return root / name
+        log.warn(f"{pointer} names {name!r}, which is not a complete checkpoint; taking the newest one present")
+    found = _complete(root)
+    return found[-1][1] if found else detect_environment().restored_checkpoint()
+
+
+# ---------------------------------------------------------------- loading
+def load_training_state(
+    backend: Backend,
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
+    sampler: ShardedSampler | None = None,
+) -> dict[str, Any]:
+    """Restore a checkpoint written by :func:`save_training_state` (by any
+    backend, at any world size) into the objects given.  **Every rank must call
+    this.**  Returns ``{"counters": ..., "loader_seed": ..., "meta": ..., "extra": ...}``.
+    This rank's random number generators are restored last, so that nothing
+    loaded here draws from them afterwards."""
+    _require_initialized(backend)
+    # The backend's own scaler (16-mixed) by default; a checkpoint written in
+    # another precision has none, and the scaler then starts afresh.
+    default_scaler = scaler is None
+    scaler = backend.grad_scaler if scaler is None else scaler
+    path = Path(path)
+    state, rng, error = None, None, None
+    try:
+        state = _read_state(path)
+        rng = _read_rng(path, backend.rank, state["meta"]["world_size"])
+    except ParallelxError as exc:
+        error = str(exc)
+    # A rank that cannot read its files must not leave the others waiting in a collective.
+    _agree(backend, error)
+    assert state is not None and rng is not None
+    meta = state["meta"]
+
+    _check_optimizer(path, meta, state["optimizer"], optimizer)
+    try:
+        if meta.get("sharded"):  # the backend's own slices of the shards, or the whole tensors
+            sharded.load(backend.state_io, path, model, optimizer, state["optimizer"])
+        else:
+            _check_model(path, state["model"], model, backend)
+            backend.state_io.load_model_state_dict(model, state["model"])
+            backend.state_io.load_named_optimizer_state(model, optimizer, state["optimizer"])
+    except RuntimeError as exc:  # torch lists every mismatch over many lines: keep the first
+        raise ParallelxError(f"checkpoint {path} does not fit this model: {first_line(exc)}") from None
+    _load_optional(path, "scheduler", scheduler, state["scheduler"])
+    if not (default_scaler and state["scaler"] is None):
+        _load_optional(path, "scaler", scaler, state["scaler"])
+    if sampler is not None:
+        if state["sampler"] is None:
+            raise ParallelxError(f"checkpoint {path} holds no sampler position; load it without sampler=...")
+        sampler.load_state_dict(state["sampler"])
+    if meta["world_size"] != backend.world_size:
+        log.warn(
+            f"checkpoint {path} was written by {meta['world_size']} rank(s), this run has "
+            f"{backend.world_size}: the data order continues exactly; the weights continue with a "
+            "different reduction order"
+            + (
+                ", and ranks that had no RNG state start from rank 0's"
+                if backend.world_size > meta["world_size"]
+                else ""
+            )
+        )
+    set_rng_state(rng)  # last: nothing above may shift this rank's random numbers
+    return {
+        "counters": dict(state["counters"]),
+        "loader_seed": state["loader_seed"],
+        "meta": dict(meta),
+        "extra": state.get("extra"),
+    }
+
+
+# ---------------------------------------------------------------- helpers
+def _require_initialized(backend: Backend) -> None:
+    if not backend.initialized:
+        raise ParallelxError(f"backend {backend.name!r} is not initialised: call backend.init() first")
+
+
+def _check_counters(counters: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(counters, Mapping):
+        raise ParallelxError(f"counters must be a dict of str to int, got {type(counters).__name__}")
+    bad = [k for k, v in counters.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)]
+    if bad:
+        raise ParallelxError(
+            f"counters must map names to ints; not so for {bad[:3]}: give other loop state "
+            "(floats such as a best accuracy, lists, dicts) as extra={...}"
+        )
+    return {k: int(v) for k, v in counters.items()}
+
+
+def _optimizer_type(optimizer: Any) -> str:
+    """The class name of the user's optimizer inside a backend's wrappers."""
+    inner = optimizer
+    while checkpoint.is_optimizer(getattr(inner, "__dict__", {}).get("optimizer")):
+        inner = inner.__dict__["optimizer"]
+    return type(inner).__name__
+
+
+def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "backend": backend.name,
+        "world_size": backend.world_size,
+        **backend.state_io.checkpoint_meta(),
+        "optimizer": _optimizer_type(optimizer),
+        "step": step,
+        "torch": str(torch.__version__),
+        "parallelx": __version__,
+        "time": time.time(),
+    }
+
+
+def _write(obj: Any, path: Path) -> None:
+    checkpoint.write_synced(path, lambda f: torch.save(obj, f))
+
+
+def plain(obj: Any, where: str = "state") -> Any:
+    """``obj`` made of what ``torch.load(weights_only=True)`` accepts: dicts,
+    lists, tuples, tensors and plain scalars (subclasses such as torch's
+    version string become their base type); anything else is an error that
+    names where it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    for base in (bool, int, float, str):
+        if isinstance(obj, base):
+            return base(obj)
+    if isinstance(obj, Mapping):
+        return {plain(k, where): plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    raise ParallelxError(
+        f"{where} holds a {type(obj).__name__}, which a weights_only checkpoint cannot store; "
+        "keep only tensors, numbers, strings, lists and dicts in it"
+    )
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished directory to its final name.  A checkpoint of the
+    same step already there (a re-run) is first renamed aside, so the name
+    always holds one complete checkpoint or, for an instant, none."""
+    if final.exists():
+        aside = final.parent / f".old-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    checkpoint.fsync_dir(final.parent)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    checkpoint.atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    """Remove all but the newest ``keep`` checkpoints, and what crashed writes
+    left behind.  Each is first renamed to a hidden name (atomic), so an
+    interrupted removal never leaves a damaged checkpoint under a final name."""
+    complete = _complete(root)
+    old = [p for _, p in complete if p.name != newest][: max(0, len(complete) - keep)]
+    leftovers = [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-", ".del-"))]
+    for p in old:
+        aside = root / f".del-{p.name}-{os.getpid()}"
+        os.rename(p, aside)
+        leftovers.append(aside)
+    for p in leftovers:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _agree(backend: Backend, error: str | None) -> None:
+    """Raise on every rank when any rank failed (a collective)."""
+    failed = torch.tensor([0 if error is None else 1])
+    if backend.world_size > 1:
+        failed = backend.all_reduce(failed, op="max")
+    if int(failed.item()):
+        raise ParallelxError(error or "another rank failed to read or write the checkpoint (see its error)")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    if not path.is_dir() or not (path / STATE_FILE).is_file():
+        raise ParallelxError(
+            f"{path} is not a complete checkpoint directory (no {STATE_FILE}); "
+            "use parallelx.latest_checkpoint(run_dir) to find one"
+        )
+    state = checkpoint.load(path / STATE_FILE)
+    keys = ("meta", "model", "optimizer", "scheduler", "scaler", "sampler", "counters", "loader_seed")
+    if not isinstance(state, dict) or any(k not in state for k in keys) or not isinstance(state["meta"], dict):
+        raise ParallelxError(f"checkpoint {path / STATE_FILE} is not a parallelx training state")
+    version = state["meta"].get("format")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ParallelxError(
+            f"checkpoint {path} has format {version!r}; this parallelx reads format "
+            f"{FORMAT_VERSION} and older: upgrade parallelx"
+        )
+    return state
+
+
+def _read_rng(path: Path, rank: int, saved_world: int) -> dict[str, Any]:
+    """This rank's RNG state; a rank beyond the saved world takes rank 0's
+    (the policy: parallelx seeds every rank alike, so rank 0's state is what
+    that rank would have had)."""
+    source = rank if rank < saved_world else 0
+    state = checkpoint.load(path / f"rng-rank{source}.pt")
+    if not isinstance(state, dict) or any(k not in state for k in ("python", "numpy", "torch", "cuda")):
+        raise ParallelxError(f"checkpoint {path / f'rng-rank{source}.pt'} is not an RNG state")
+    return state
+
+
+def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend: Backend) -> None:
+    live = {plain_key(k) for k in backend.unwrap(model).state_dict()}
+    if set(saved) != live:
+        missing, extra = sorted(live - set(saved))[:3], sorted(set(saved) - live)[:3]
+        raise ParallelxError(
+            f"checkpoint {path} is of another model: not saved {missing}, not in this model "
+            f"{extra} ({len(saved)} entries saved, {len(live)} here)"
+        )
+
+
+def _check_optimizer(path: Path, meta: Mapping[str, Any], saved: Mapping[str, Any], optimizer: Any) -> None:
+    mine = _optimizer_type(optimizer)
+    if meta.get("optimizer") != mine:
+        raise ParallelxError(
+            f"checkpoint {path} holds the state of a {meta.get('optimizer')} optimizer, this "
+            f"run uses {mine}; resume with the optimizer the run was saved with"
+        )
+    if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
+        raise ParallelxError(f"checkpoint {path} holds no usable optimizer state")
+
+
+def _load_optional(path: Path, what: str, target: Any, state: Any) -> None:
+    if target is None:
+        return
+    if state is None:
+        raise ParallelxError(f"checkpoint {path} holds no {what} state; load it without {what}=...")
+    try:
+        target.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise ParallelxError(
+            f"checkpoint {path}: the {what} state does not fit this {what} ({type(target).__name__}): {first_line(exc)}"
+        ) from None

@@ -1,0 +1,105 @@
+"""The collectives part of a backend: reduce, broadcast, barrier and gather
+over the ranks of one world.
+
+Each backend family gives one subclass with its own communication library
+(:class:`parallelx.strategies.single_process.LocalCollectives` for a world of one process,
+:class:`parallelx.strategies.process_group.ProcessGroupCollectives` for
+``torch.distributed``, Horovod's in ``backends/horovod.py``).  A subclass
+implements four primitives (:meth:`reduce_`, :meth:`broadcast`,
+:meth:`barrier`, :meth:`all_gather_list`); everything else (``mean``, the
+gathering of :mod:`parallelx.parts.gather`) is built on them here, once, so that it
+means the same on every backend.  Blocking calls run under the backend's
+watchdog (:class:`parallelx.parts.watchdog.Watchdog`), for libraries that could
+wait for ever for a stalled peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from parallelx.errors import ParallelxError
+from parallelx.settings import ReduceOp, check_op
+
+T = TypeVar("T")
+
+#: Arms a watchdog around one blocking call: ``with watch("barrier"): ...``.
+Watch = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def no_watch(what: str) -> contextlib.AbstractContextManager[None]:
+    """The :data:`Watch` of a library that times out by itself."""
+    return contextlib.nullcontext()
+
+
+class Collectives(abc.ABC):
+    """Collectives over the ``world_size`` ranks of one world, seen from ``rank``."""
+
+    def __init__(self, rank: int, world_size: int, watch: Watch = no_watch) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        #: Arms the backend's watchdog around a blocking call.
+        self.watch = watch
+
+    def comm_device(self, tensor: torch.Tensor) -> torch.device:
+        """Where the library needs ``tensor`` to be for a collective."""
+        return tensor.device
+
+    @abc.abstractmethod
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``tensor`` (on :meth:`comm_device`; ``sum``, ``max`` or ``min``)
+        over all ranks and return the result; may work in place."""
+
+    @abc.abstractmethod
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` on every rank.  Tensors travel as tensors (same
+        shape and dtype on every rank); anything else is pickled."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+
+    @abc.abstractmethod
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (on :meth:`comm_device`, contiguous, not bool)
+        as a list indexed by rank.  The first dimension may differ between
+        ranks; the other sizes and the dtype are the same on every rank."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks into a new tensor on its device (the
+        input is left unchanged); ``mean`` of an integer tensor is a float."""
+        check_op(op)
+        out = tensor.detach().to(self.comm_device(tensor), copy=True)
+        if op == "mean" and not out.is_floating_point():
+            out = out.double()
+        # Gloo has no AVG: every backend sums and divides, so mean means the same everywhere.
+        with self.watch("all_reduce"):
+            out = self.reduce_(out, "sum" if op == "mean" else op)
+        if op == "mean":
+            out = out / self.world_size
+        return out.to(tensor.device)
+
+
+class LocalCollectives(Collectives):
+    """A world of one process: every collective returns this rank's own values."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0, world_size=1)
+
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if src != 0:
+            raise ParallelxError(f"broadcast from rank {src} in a world of 1 process (only rank 0 exists)")
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.clone()]

@@ -1,0 +1,111 @@
+"""Checkpoint IO: portable state, atomic writes, reads.
+
+A parallelx checkpoint is one plain PyTorch file: every model is replaced by
+its unwrapped ``state_dict`` and every optimizer by a plain ``torch.optim``
+state dict, all on the CPU, so ``torch.load(path, weights_only=True)`` reads it
+anywhere, with no backend package and at any world size.  Gathering sharded
+state is the backend's state part (:mod:`parallelx.parts.stateio`); this module
+only walks, writes and reads.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+from parallelx.errors import ParallelxError, first_line
+from parallelx.parts.state import to_cpu  # noqa: F401  (parallelx.parts.portable.to_cpu is documented)
+
+
+def is_optimizer(obj: Any) -> bool:
+    """A torch optimizer, or anything shaped like one (a backend's wrapper)."""
+    return isinstance(obj, torch.optim.Optimizer) or (
+        callable(getattr(obj, "state_dict", None)) and hasattr(obj, "param_groups")
+    )
+
+
+def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state: Callable[[Any], Any]) -> Any:
+    """``obj`` with models and optimizers replaced by what the two functions return.
+    Walks dicts, lists and tuples; the order of the walk is the same on every
+    rank, which matters when the functions are collectives."""
+    if isinstance(obj, nn.Module):
+        return model_state(obj)
+    if is_optimizer(obj):
+        return optimizer_state(obj)
+    if isinstance(obj, Mapping):
+        return {k: portable(v, model_state, optimizer_state) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v, model_state, optimizer_state) for v in obj)
+    return obj
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Create ``path``, fill it with ``write`` and flush it to disk."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
+    """Fill a temporary file beside ``path`` with ``write``, flush it, then
+    rename it into place: a failure (or a crash) leaves any previous file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write_synced(Path(tmp), write)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` through :func:`atomic_write`."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
+    """Read a checkpoint onto the CPU; a missing or unreadable file is one clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ParallelxError(f"checkpoint {p} does not exist")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
+        raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
+
+
+def save_on_main(
+    state: Any, path: str | os.PathLike[str], *, is_main: bool, broadcast: Callable[[str | None], str | None]
+) -> None:
+    """Rank 0 writes ``state`` atomically; every rank returns once the file
+    exists, or raises the same error (``broadcast`` sends rank 0's word to
+    every rank and doubles as the barrier)."""
+    error: str | None = None
+    if is_main:
+        try:
+            atomic_save(state, path)
+        except Exception as exc:  # reported to every rank below
+            error = f"saving {path} failed on rank 0: {type(exc).__name__}: {exc}"
+    error = broadcast(error)
+    if error is not None:
+        raise ParallelxError(error)
