@@ -4,13 +4,19 @@ PY := .venv/bin/python
 # them per environment, so two checkouts do not keep rebuilding each other's.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: setup train test test-scenarios test-all test-fast lint bench docs docs-serve clean
+.PHONY: setup setup-core train test test-scenarios test-all test-fast lint bench docs docs-serve clean
 
+## Everything: DeepSpeed, Ray, the trackers, the dev and docs tools, Horovod's build (7 minutes the
+## first time, then cached).  What the tests, lint, docs and benchmarks need.
 setup:
-	bash scripts/setup.sh
+	bash scripts/setup.sh all
 
-## Train CIFAR-10 LeNet with 2 DDP processes on generated data (outputs in runs/).
-train: setup
+## The minimum the DDP demo needs: torch, torchvision and parallelx (no Horovod build).
+setup-core:
+	bash scripts/setup.sh core
+
+## Train CIFAR-10 LeNet with 2 DDP processes on generated data (outputs in runs/).  Core set-up only.
+train: setup-core
 	bash scripts/train_demo.sh
 
 ## The test suite: unit, multirank, launcher (every backend under its real launcher), system

@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Create .venv and install parallelx with every backend, Horovod included.
-# Idempotent: a second run on the same machine only checks and returns.
+# Create .venv and install parallelx into it, in one of two modes:
+#   setup.sh core   torch, torchvision and parallelx's own dependencies: what the DDP demo
+#                   (make train) needs, a few minutes on a fresh machine;
+#   setup.sh all    (the default) everything the tests, lint and docs need besides: DeepSpeed,
+#                   Ray, the trackers, the dev and docs tools, Horovod's build (7 minutes the
+#                   first time, then cached), DeepSpeed's op pre-built, and as root the
+#                   Debian packages of the test tier (Slurm, sshd).
+# Both use the same .venv: core first, the rest added on top.  Idempotent per mode: a
+# second run with unchanged inputs only checks a stamp and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+MODE="${1:-all}"
+case "$MODE" in
+    core | all) ;;
+    *)
+        echo "usage: $0 [core|all]" >&2
+        exit 2
+        ;;
+esac
 
 VENV="${PARALLELX_VENV:-.venv}"
 PY="$VENV/bin/python"
@@ -17,38 +33,50 @@ if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 
-# A one-machine Slurm for the tests (tests/system/test_slurm.py starts its
-# daemons): Debian's packages, about 20 s.  Only as root; without them those
-# tests skip and say why.
-if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "[setup] installing slurm-wlm and munge (the test tier's one-machine Slurm)"
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            slurm-wlm munge >/dev/null; } || echo "[setup] warning: could not install Slurm; its tests will skip" >&2
-    else
-        echo "[setup] note: Slurm (slurm-wlm, munge) is not installed and this is not root: its tests will skip" >&2
+# The test tier's Debian packages: the full set-up only.
+if [ "$MODE" = all ]; then
+    # A one-machine Slurm for the tests (tests/system/test_slurm.py starts its
+    # daemons): Debian's packages, about 20 s.  Only as root; without them those
+    # tests skip and say why.
+    if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            echo "[setup] installing slurm-wlm and munge (the test tier's one-machine Slurm)"
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                slurm-wlm munge >/dev/null; } || echo "[setup] warning: could not install Slurm; its tests will skip" >&2
+        else
+            echo "[setup] note: Slurm (slurm-wlm, munge) is not installed and this is not root: its tests will skip" >&2
+        fi
+    fi
+
+    # An ssh server for the tests' two-node rehearsal (tests/system/test_netns.py
+    # starts one inside each node's network namespace, with a key of its own; no
+    # system-wide sshd is configured): Debian's openssh-server, a few seconds.  Only
+    # as root; without it the horovodrun-over-ssh test skips.
+    if [ ! -x /usr/sbin/sshd ]; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            echo "[setup] installing openssh-server (the two-node tests' ssh between namespaces)"
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                openssh-server >/dev/null; } || echo "[setup] warning: could not install openssh-server; its test will skip" >&2
+        else
+            echo "[setup] note: openssh-server is not installed and this is not root: the horovodrun-over-ssh test will skip" >&2
+        fi
     fi
 fi
 
-# An ssh server for the tests' two-node rehearsal (tests/system/test_netns.py
-# starts one inside each node's network namespace, with a key of its own; no
-# system-wide sshd is configured): Debian's openssh-server, a few seconds.  Only
-# as root; without it the horovodrun-over-ssh test skips.
-if [ ! -x /usr/sbin/sshd ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "[setup] installing openssh-server (the two-node tests' ssh between namespaces)"
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            openssh-server >/dev/null; } || echo "[setup] warning: could not install openssh-server; its test will skip" >&2
-    else
-        echo "[setup] note: openssh-server is not installed and this is not root: the horovodrun-over-ssh test will skip" >&2
-    fi
-fi
+# Re-install only when the inputs of the install changed: one stamp per mode, each a hash of
+# that mode's inputs.  A full set-up does the core part first (and stamps it), then the rest.
+core_stamp="$VENV/.parallelx-core"
+all_stamp="$VENV/.parallelx-all"
+core_want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+all_want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)
+current() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
-# Re-install only when the inputs of the install changed.
-stamp="$VENV/.parallelx-installed"
-want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-    echo "[setup] $VENV is up to date"
+if [ "$MODE" = core ] && current "$core_stamp" "$core_want"; then
+    echo "[setup] $VENV is up to date (core)"
+    exit 0
+fi
+if [ "$MODE" = all ] && current "$all_stamp" "$all_want"; then
+    echo "[setup] $VENV is up to date (all)"
     exit 0
 fi
 
@@ -56,8 +84,19 @@ fi
 # overrides pip.conf's `constraint`): a cap left there by another project would
 # otherwise refuse these releases.  Other pip settings (index, proxy) still apply.
 export PIP_CONSTRAINT="$PWD/constraints.txt"
-"$PY" -m pip install --quiet --upgrade pip wheel setuptools
-echo "[setup] installing torch, torchvision, deepspeed, ray, the trackers, the docs tools and parallelx (about 3.5 minutes from fresh)"
+
+if ! current "$core_stamp" "$core_want"; then
+    "$PY" -m pip install --quiet --upgrade pip wheel setuptools
+    echo "[setup] installing torch, torchvision and parallelx (core; about 1.5 minutes from fresh)"
+    "$PY" -m pip install --quiet -e .
+    echo "$core_want" >"$core_stamp"
+    echo "[setup] core done in $(($(date +%s) - start)) s"
+fi
+if [ "$MODE" = core ]; then
+    exit 0
+fi
+
+echo "[setup] installing deepspeed, ray, the trackers, the dev and docs tools (about 2 minutes from fresh)"
 "$PY" -m pip install --quiet -e ".[deepspeed,ray,trackers,dev,docs]"
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 "$PY" scripts/build_horovod.py
@@ -76,5 +115,5 @@ if get_accelerator().device_name() == "cpu":
     get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
 PYEOF
 
-echo "$want" > "$stamp"
+echo "$all_want" >"$all_stamp"
 echo "[setup] done in $(( $(date +%s) - start )) s"
