@@ -28,6 +28,18 @@ state in it (the world grew) starts from rank 0's.
 For an exact continuation give the DataLoader its own generator (every
 ``iter(loader)`` draws a seed from the global one), and with loader workers
 pass ``sampler=sampler.state_dict(consumed=batches_done * batch_size)``.
+
+Several models and optimizers go by name (a GAN, a teacher and a student)::
+
+    parallelx.save_training_state(backend, run_dir, step=step, models={"gen": g, "disc": d},
+                                  optimizers={"gen": g_opt, "disc": d_opt}, counters=counters)
+
+An optimizer trains the model of its name, or of the longest name its own
+begins with (``gen_opt`` trains ``gen``), or the only model.  Such a
+checkpoint keeps each part under its name (``models``, ``optimizers``,
+``schedulers``, ``samplers`` in ``state.pt``); a fitting backend's shards go
+to ``parts/<model>/shards/``.  :class:`parallelx.Checkpointer` does all of
+this for a loop.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +86,75 @@ SUBDIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+#: Where a checkpoint of parts by name keeps each model's shards.
+PARTS_DIR = "parts"
+
+
+@dataclass
+class Parts:
+    """What one checkpoint holds, by name.  ``named``: given as ``models=``,
+    ``optimizers=``, ... (stored by name) rather than ``model=``,
+    ``optimizer=``, ... (the one-model layout, unchanged since format 1)."""
+
+    named: bool
+    models: dict[str, nn.Module] = field(default_factory=dict)
+    optimizers: dict[str, Any] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    samplers: dict[str, Any] = field(default_factory=dict)
+    #: optimizer name -> the name of the model it trains
+    pairs: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        what: str,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        sampler: Any,
+        models: Mapping[str, nn.Module] | None,
+        optimizers: Mapping[str, Any] | None,
+        schedulers: Mapping[str, Any] | None,
+        samplers: Mapping[str, Any] | None,
+    ) -> Parts:
+        """The parts of a call to ``what``: one of each, or several by name (not both)."""
+        named = any(x is not None for x in (models, optimizers, schedulers, samplers))
+        if not named:
+            if model is None or optimizer is None:
+                raise ParallelxError(
+                    f"{what} needs model= and optimizer= (or several by name: models={{...}}, optimizers={{...}})"
+                )
+            parts = cls(False, {"model": model}, {"optimizer": optimizer})
+            parts.schedulers = {} if scheduler is None else {"scheduler": scheduler}
+            parts.samplers = {} if sampler is None else {"sampler": sampler}
+            parts.pairs = {"optimizer": "model"}
+            return parts
+        single = [n for n, x in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)) if x is not None]
+        if single or sampler is not None:
+            raise ParallelxError(
+                f"{what}: give the parts one of each ({', '.join(single or ['sampler'])}=...) or all by name "
+                "(models={...}, optimizers={...}, schedulers={...}, samplers={...}), not both"
+            )
+        parts = cls(True, dict(models or {}), dict(optimizers or {}), dict(schedulers or {}), dict(samplers or {}))
+        if not parts.models:
+            raise ParallelxError(f"{what}: models={{...}} names no model; give at least one")
+        parts.pairs = {name: _model_of(name, parts.models, what) for name in parts.optimizers}
+        return parts
+
+
+def _model_of(optimizer: str, models: Mapping[str, nn.Module], what: str) -> str:
+    """The model an optimizer trains: of its own name, of the longest name its own begins with, or the only one."""
+    if optimizer in models:
+        return optimizer
+    prefixes = [m for m in models if optimizer.startswith(m)]
+    if prefixes:
+        return max(prefixes, key=len)
+    if len(models) == 1:
+        return next(iter(models))
+    raise ParallelxError(
+        f"{what}: which model does optimizer {optimizer!r} train? Name it after its model "
+        f"(one of {sorted(models)}, e.g. {sorted(models)[0] + '_optimizer'!r})"
+    )
 
 
 # ----------------------------------------------------------------- saving
@@ -81,8 +163,8 @@ def save_training_state(
     directory: str | os.PathLike[str],
     *,
     step: int,
-    model: nn.Module,
-    optimizer: Any,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
     scheduler: Any = None,
     scaler: torch.amp.GradScaler | None = None,
     sampler: ShardedSampler | Mapping[str, Any] | None = None,
@@ -90,6 +172,10 @@ def save_training_state(
     loader_seed: int | None = None,
     keep: int = 3,
     extra: Mapping[str, Any] | None = None,
+    models: Mapping[str, nn.Module] | None = None,
+    optimizers: Mapping[str, Any] | None = None,
+    schedulers: Mapping[str, Any] | None = None,
+    samplers: Mapping[str, ShardedSampler | Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write a complete training-state checkpoint for ``step`` under
     ``directory/checkpoints/`` and return its path.  **Every rank must call
@@ -99,8 +185,13 @@ def save_training_state(
     are kept, older ones removed once the new one is complete.  ``extra`` is
     the main rank's own loop state (floats, lists, dicts: metrics so far),
     stored as given and returned by :func:`load_training_state`.  ``scaler``
-    defaults to the backend's own (``backend.grad_scaler``, under 16-mixed)."""
+    defaults to the backend's own (``backend.grad_scaler``, under 16-mixed).
+    Several models, optimizers, schedulers and samplers go by name instead
+    (``models={...}``, ``optimizers={...}``, ...; see the module's text)."""
     _require_initialized(backend)
+    parts = Parts.of(
+        "save_training_state", model, optimizer, scheduler, sampler, models, optimizers, schedulers, samplers
+    )
     scaler = backend.grad_scaler if scaler is None else scaler  # 16-mixed's loss scale resumes too
     if keep < 1:
         raise ParallelxError(f"save_training_state(keep=...) must be >= 1, got {keep}")
@@ -114,27 +205,44 @@ def save_training_state(
 
     # Collectives first, in the same order on every rank.  A sharding backend may hand out its shards instead.
     io = backend.state_io
-    shards = io.sharded_state(model, optimizer)
-    model_state = io.model_state_dict(model) if shards is None else None
-    optim_state = io.named_optimizer_state(model, optimizer) if shards is None else sharded.skeleton(shards)
+    model_states: dict[str, Any] = {}
+    optim_states: dict[str, Any] = {}
+    shards: dict[str, dict[str, Any]] = {}  # model name -> its shards and its optimizer's
+    for key, m in parts.models.items():
+        its = [o for o, owner in parts.pairs.items() if owner == key]
+        found = io.sharded_state(m, parts.optimizers[its[0]]) if len(its) == 1 else None
+        if found is not None:
+            shards[key] = found
+            model_states[key] = None
+            optim_states[its[0]] = sharded.skeleton(found)
+            continue
+        model_states[key] = io.model_state_dict(m)
+        for o in its:
+            optim_states[o] = io.named_optimizer_state(m, parts.optimizers[o])
     rng = rng_state()
 
     state: dict[str, Any] | None = None
     if backend.is_main():
-        sampler_state = None
-        if sampler is not None:
-            sampler_state = dict(sampler) if isinstance(sampler, Mapping) else sampler.state_dict()
+        sampler_states = {n: _sampler_state(s) for n, s in parts.samplers.items()}
+        scheduler_states = {n: checkpoint.to_cpu(s.state_dict()) for n, s in parts.schedulers.items()}
+        types = {n: _optimizer_type(o) for n, o in parts.optimizers.items()}
         state = {
-            "meta": {**_metadata(backend, optimizer, step), "sharded": shards is not None},
-            "model": model_state,
-            "optimizer": optim_state,
-            "scheduler": None if scheduler is None else checkpoint.to_cpu(scheduler.state_dict()),
+            "meta": _metadata(backend, step),
             "scaler": None if scaler is None else checkpoint.to_cpu(scaler.state_dict()),
-            "sampler": sampler_state,
             "counters": counters,
             "loader_seed": loader_seed,
             "extra": None if extra is None else plain(extra, "extra"),
         }
+        if parts.named:
+            state["meta"].update(optimizer=None, optimizers=types, pairs=parts.pairs, sharded=sorted(shards))
+            state.update(model=None, optimizer=None, scheduler=None, sampler=None)
+            state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
+            state["samplers"] = sampler_states
+        else:
+            state["meta"].update(optimizer=types["optimizer"], sharded=bool(shards))
+            state["model"], state["optimizer"] = model_states["model"], optim_states["optimizer"]
+            state["scheduler"] = scheduler_states.get("scheduler")
+            state["sampler"] = sampler_states.get("sampler")
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -152,8 +260,8 @@ def save_training_state(
     mine = None
     try:
         _write(plain(rng), tmp_dir / f"rng-rank{backend.rank}.pt")
-        if shards is not None:  # every rank writes its own shards (a collective)
-            sharded.write(shards, tmp_dir)
+        for key, found in shards.items():  # every rank writes its own shards (a collective)
+            sharded.write(found, tmp_dir / PARTS_DIR / key if parts.named else tmp_dir)
         if state is not None:
             _write(plain(state), tmp_dir / STATE_FILE)
     except Exception as exc:  # reported to every rank below
@@ -208,18 +316,27 @@ def load_training_state(
     backend: Backend,
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
-    optimizer: Any,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
     scheduler: Any = None,
     scaler: torch.amp.GradScaler | None = None,
     sampler: ShardedSampler | None = None,
+    models: Mapping[str, nn.Module] | None = None,
+    optimizers: Mapping[str, Any] | None = None,
+    schedulers: Mapping[str, Any] | None = None,
+    samplers: Mapping[str, ShardedSampler] | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_training_state` (by any
     backend, at any world size) into the objects given.  **Every rank must call
     this.**  Returns ``{"counters": ..., "loader_seed": ..., "meta": ..., "extra": ...}``.
     This rank's random number generators are restored last, so that nothing
-    loaded here draws from them afterwards."""
+    loaded here draws from them afterwards.  A checkpoint of parts by name
+    loads with the same names (``models={...}``, ...); parts it holds but
+    not given are left out."""
     _require_initialized(backend)
+    parts = Parts.of(
+        "load_training_state", model, optimizer, scheduler, sampler, models, optimizers, schedulers, samplers
+    )
     # The backend's own scaler (16-mixed) by default; a checkpoint written in
     # another precision has none, and the scaler then starts afresh.
     default_scaler = scaler is None
@@ -236,23 +353,31 @@ def load_training_state(
     assert state is not None and rng is not None
     meta = state["meta"]
 
-    _check_optimizer(path, meta, state["optimizer"], optimizer)
+    saved = _saved_parts(path, state, parts)
+    for o in parts.pairs:
+        _check_optimizer(path, saved.types.get(o), saved.optimizers[o], parts.optimizers[o])
     try:
-        if meta.get("sharded"):  # the backend's own slices of the shards, or the whole tensors
-            sharded.load(backend.state_io, path, model, optimizer, state["optimizer"])
-        else:
-            _check_model(path, state["model"], model, backend)
-            backend.state_io.load_model_state_dict(model, state["model"])
-            backend.state_io.load_named_optimizer_state(model, optimizer, state["optimizer"])
+        for name, m in parts.models.items():
+            mine = [o for o, owner in parts.pairs.items() if owner == name]
+            if name in saved.sharded:  # the backend's own slices of the shards, or the whole tensors
+                where = path / PARTS_DIR / name if parts.named else path
+                sharded.load(backend.state_io, where, m, parts.optimizers[mine[0]], saved.optimizers[mine[0]])
+                continue
+            _check_model(path, saved.models[name], m, backend)
+            backend.state_io.load_model_state_dict(m, saved.models[name])
+            for o in mine:
+                backend.state_io.load_named_optimizer_state(m, parts.optimizers[o], saved.optimizers[o])
     except RuntimeError as exc:  # torch lists every mismatch over many lines: keep the first
         raise ParallelxError(f"checkpoint {path} does not fit this model: {first_line(exc)}") from None
-    _load_optional(path, "scheduler", scheduler, state["scheduler"])
+    for name, target in parts.schedulers.items():
+        _load_optional(path, _what("scheduler", name, parts), target, saved.schedulers.get(name))
     if not (default_scaler and state["scaler"] is None):
         _load_optional(path, "scaler", scaler, state["scaler"])
-    if sampler is not None:
-        if state["sampler"] is None:
-            raise ParallelxError(f"checkpoint {path} holds no sampler position; load it without sampler=...")
-        sampler.load_state_dict(state["sampler"])
+    for name, target in parts.samplers.items():
+        if saved.samplers.get(name) is None:
+            what = _what("sampler", name, parts)
+            raise ParallelxError(f"checkpoint {path} holds no {what} position; load it without {what}=...")
+        target.load_state_dict(saved.samplers[name])
     if meta["world_size"] != backend.world_size:
         log.warn(
             f"checkpoint {path} was written by {meta['world_size']} rank(s), this run has "
@@ -299,18 +424,86 @@ def _optimizer_type(optimizer: Any) -> str:
     return type(inner).__name__
 
 
-def _metadata(backend: Backend, optimizer: Any, step: int) -> dict[str, Any]:
+def _metadata(backend: Backend, step: int) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "backend": backend.name,
         "world_size": backend.world_size,
         **backend.state_io.checkpoint_meta(),
-        "optimizer": _optimizer_type(optimizer),
         "step": step,
         "torch": str(torch.__version__),
         "parallelx": __version__,
         "time": time.time(),
     }
+
+
+def _sampler_state(sampler: ShardedSampler | Mapping[str, Any]) -> dict[str, Any]:
+    return dict(sampler) if isinstance(sampler, Mapping) else dict(sampler.state_dict())
+
+
+@dataclass
+class _Saved:
+    """A checkpoint's parts by name, whichever layout it has."""
+
+    models: dict[str, Any]
+    optimizers: dict[str, Any]
+    types: dict[str, Any]
+    schedulers: dict[str, Any]
+    samplers: dict[str, Any]
+    sharded: set[str]
+
+
+def _saved_parts(path: Path, state: dict[str, Any], parts: Parts) -> _Saved:
+    """``state``'s parts under the names ``parts`` uses; what is asked but not there is an error."""
+    meta = state["meta"]
+    named = isinstance(state.get("models"), Mapping)
+    if named != parts.named:
+        if named:
+            raise ParallelxError(
+                f"checkpoint {path} holds its parts by name (models {sorted(state['models'])}); load it with "
+                "models={...}, optimizers={...} and the same names"
+            )
+        raise ParallelxError(
+            f"checkpoint {path} holds one model and one optimizer; load it with model=... and optimizer=..."
+        )
+    if not named:
+        return _Saved(
+            {"model": state["model"]},
+            {"optimizer": state["optimizer"]},
+            {"optimizer": meta.get("optimizer")},
+            {"scheduler": state["scheduler"]},
+            {"sampler": state["sampler"]},
+            {"model"} if meta.get("sharded") else set(),
+        )
+    saved = _Saved(
+        dict(state["models"]),
+        dict(state.get("optimizers") or {}),
+        dict(meta.get("optimizers") or {}),
+        dict(state.get("schedulers") or {}),
+        dict(state.get("samplers") or {}),
+        set(meta.get("sharded") or ()),
+    )
+    for kind, given, have in (
+        ("models", parts.models, saved.models),
+        ("optimizers", parts.optimizers, saved.optimizers),
+    ):
+        missing = sorted(set(given) - set(have))
+        if missing:
+            raise ParallelxError(f"checkpoint {path} holds no {kind} named {missing}; it holds {sorted(have)}")
+    pairs = meta.get("pairs") or {}
+    moved = {o: (m, pairs.get(o)) for o, m in parts.pairs.items() if pairs.get(o) != m}
+    if moved:
+        o, (m, was) = next(iter(moved.items()))
+        raise ParallelxError(
+            f"checkpoint {path}: optimizer {o!r} trained model {was!r} there and trains {m!r} here; "
+            "keep the names the run was saved with"
+        )
+    return saved
+
+
+def _what(kind: str, name: str, parts: Parts) -> str:
+    """How an error names a part: ``scheduler``, or ``schedulers['warmup']``."""
+    return f"{kind}s[{name!r}]" if parts.named else kind
 
 
 def _write(obj: Any, path: Path) -> None:
@@ -434,11 +627,11 @@ def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend
         )
 
 
-def _check_optimizer(path: Path, meta: Mapping[str, Any], saved: Mapping[str, Any], optimizer: Any) -> None:
+def _check_optimizer(path: Path, saved_type: Any, saved: Mapping[str, Any], optimizer: Any) -> None:
     mine = _optimizer_type(optimizer)
-    if meta.get("optimizer") != mine:
+    if saved_type != mine:
         raise ParallelxError(
-            f"checkpoint {path} holds the state of a {meta.get('optimizer')} optimizer, this "
+            f"checkpoint {path} holds the state of a {saved_type} optimizer, this "
             f"run uses {mine}; resume with the optimizer the run was saved with"
         )
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
