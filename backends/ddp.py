@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallelx.launching.launchers import Launcher
 from parallelx.parts.gradsync import GradientSync, Models
-from parallelx.strategies.process_group import ProcessGroupBackend
+from parallelx.strategies.process_group import ProcessGroupStrategy
+from parallelx.strategy import BackendSpec
 
 TORCHRUN = Launcher(
     name="torchrun",
@@ -47,34 +48,37 @@ class DDPSync(GradientSync):
         return stack
 
 
-class DDPBackend(ProcessGroupBackend):
-    name = "ddp"
-    summary = "`DistributedDataParallel`; NCCL on GPUs, Gloo on the CPU"
-    launcher = TORCHRUN
-    probe_code = (
-        "import torch, torch.distributed as d; print('torch.distributed:', "
-        "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
-        "'(gloo available)' if d.is_gloo_available() else '(no gloo)')"
+class DDPStrategy(ProcessGroupStrategy):
+    spec = BackendSpec(
+        name="ddp",
+        summary="`DistributedDataParallel`; NCCL on GPUs, Gloo on the CPU",
+        launcher=TORCHRUN,
+        probe_code=(
+            "import torch, torch.distributed as d; print('torch.distributed:', "
+            "'nccl' if torch.cuda.is_available() and d.is_nccl_available() else 'gloo', "
+            "'(gloo available)' if d.is_gloo_available() else '(no gloo)')"
+        ),
+        # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
+        environments=("ray", "torchrun", "deepspeed", "slurm", "env", "local"),
     )
 
-    # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
-    environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
+    def __init__(self) -> None:
+        self.wrapped: list[DistributedDataParallel] = []
 
-    def _init(self) -> None:
-        self._join_rendezvous()
-        self._models: list[DistributedDataParallel] = []
-        self.grad_sync = DDPSync(self._set_up_modules, self._models)
+    def gradient_sync(self) -> GradientSync:
+        return DDPSync(self.run.models, self.wrapped)
 
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        device = self.run.device
+        model = model.to(device)
         # DDP broadcasts rank 0's parameters and buffers at construction.
-        ids = [self.device.index] if self.device.type == "cuda" else None
+        ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
         # Gradients cast to the wire type, divided by the world size, summed, cast back.
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
-            self.options.grad_compression
+            self.run.options.grad_compression
         )
         if hook is not None:
             wrapped.register_comm_hook(None, hook)
-        self._models.append(wrapped)
+        self.wrapped.append(wrapped)
         return wrapped

@@ -46,9 +46,11 @@ from parallelx.log import warn
 from parallelx.parts.collectives import Collectives
 from parallelx.parts.gradsync import GradientSync, Models, model_order, owner_names
 from parallelx.parts.lockstep import ForwardLockstep
+from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import EnginePrecision, Precision
 from parallelx.parts.stateio import StateIO, Unwrap, keyed_like
-from parallelx.strategies.process_group import ProcessGroupBackend
+from parallelx.strategies.process_group import ProcessGroupStrategy
+from parallelx.strategy import BackendSpec, Joined, unwrap
 
 from . import _deepspeed_zero as zero_state
 from ._deepspeed_config import (  # noqa: F401
@@ -111,24 +113,26 @@ DEEPSPEED = Launcher(
 )
 
 
-class DeepSpeedBackend(ProcessGroupBackend):
-    name = "deepspeed"
-    summary = "`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks"
-    launcher = DEEPSPEED
-    # Its own launcher, torchrun (which restarts failed jobs; the deepspeed launcher does not), Ray Train,
-    # srun's tasks, plain variables.
-    environments = ("ray", "deepspeed", "torchrun", "slurm", "env")
-    requires_module = "deepspeed"
-    # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
-    needs_watchdog = True
+class DeepSpeedStrategy(ProcessGroupStrategy):
+    spec = BackendSpec(
+        name="deepspeed",
+        summary="`deepspeed.initialize`, ZeRO stages 0-3 (`--zero-stage`); no clipping unless the config asks",
+        launcher=DEEPSPEED,
+        # Its own launcher, torchrun (which restarts failed jobs; the deepspeed launcher does not), Ray Train,
+        # srun's tasks, plain variables.
+        environments=("ray", "deepspeed", "torchrun", "slurm", "env"),
+        requires_module="deepspeed",
+        # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
+        needs_watchdog=True,
+        offloads=True,
+        install_hint=INSTALL_HINT,
+        probe_code=(
+            "import deepspeed; from deepspeed.accelerator import get_accelerator; "
+            "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())"
+        ),
+    )
     # 16-mixed runs DeepSpeed's float16 engine, which scales the loss itself.
     precision_class = EnginePrecision
-    offloads = True
-    install_hint = INSTALL_HINT
-    probe_code = (
-        "import deepspeed; from deepspeed.accelerator import get_accelerator; "
-        "print('deepspeed', deepspeed.__version__, 'accelerator=' + get_accelerator().device_name())"
-    )
 
     def __init__(
         self,
@@ -137,9 +141,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         micro_batch_size: int | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         gradient_accumulation_steps: int | None = None,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
         if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
             raise ParallelxError(f"deepspeed: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         if micro_batch_size is not None and micro_batch_size < 1:
@@ -148,22 +150,39 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise ParallelxError(
                 f"deepspeed: gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
             )
-        user = read_config(config)
-        if self.cpu_offload:
-            if (zero_stage or 0) < 1 and int(user.get("zero_optimization", {}).get("stage", 0)) < 1:
-                raise ParallelxError("deepspeed: --cpu-offload moves ZeRO's optimizer state: give --zero-stage 1 to 3")
-            # The optimizer's state and step on the CPU, with the user's torch optimizer (not DeepSpeed's own
-            # CPU Adam, which would change the math).
-            zero = user.setdefault("zero_optimization", {})
-            zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
-            user.setdefault("zero_force_ds_cpu_optimizer", False)
-        self.math_changes = math_changes(user)
-        self.options = adopt_config(self.options, user, gradient_accumulation_steps)
-        self._config_inputs = (user, zero_stage, micro_batch_size)
-        self.config = build_config(user, zero_stage, micro_batch_size, self.options)
-        self._models: list[DeepSpeedModel] = []
-        self._warn_rounding()
-        self.state_io = DeepSpeedStateIO(self.unwrap, self.zero_stage, self._models)
+        self.user = read_config(config)
+        self.zero_stage_asked, self.micro_batch_size = zero_stage, micro_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.wrapped: list[DeepSpeedModel] = []
+        self.lockstep: ForwardLockstep | None = None
+        self.config: dict[str, Any] = {}
+        self.sync: DeepSpeedSync | None = None
+
+    def configure(self, options: LoopOptions) -> LoopOptions:
+        """The user's config file adopted into the loop options (its accumulation, clipping, precision),
+        then the engine's config built from both."""
+        user = self.user
+        if not self.config:  # the first time: the config file's own values become the run's options
+            if self.run.cpu_offload:
+                if (self.zero_stage_asked or 0) < 1 and int(user.get("zero_optimization", {}).get("stage", 0)) < 1:
+                    raise ParallelxError(
+                        "deepspeed: --cpu-offload moves ZeRO's optimizer state: give --zero-stage 1 to 3"
+                    )
+                # The optimizer's state and step on the CPU, with the user's torch optimizer (not DeepSpeed's
+                # own CPU Adam, which would change the math).
+                zero = user.setdefault("zero_optimization", {})
+                zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
+                user.setdefault("zero_force_ds_cpu_optimizer", False)
+            self.math_changes = math_changes(user)
+            options = adopt_config(options, user, self.gradient_accumulation_steps)
+        first = not self.config
+        self.config = build_config(user, self.zero_stage_asked, self.micro_batch_size, options)
+        if first:
+            self.warn_rounding(options)
+        return options
+
+    def state_io(self) -> StateIO:
+        return DeepSpeedStateIO(unwrap, self.zero_stage, self.wrapped)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -201,10 +220,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
 
-    def _init(self) -> None:
-        if self.device_request != "auto":
+    def join(self) -> Joined:
+        if self.run.device_request != "auto":
             # DeepSpeed picks its accelerator at import; this makes it the one asked for.
-            os.environ["DS_ACCELERATOR"] = self.device_request
+            os.environ["DS_ACCELERATOR"] = self.run.device_request
         # DeepSpeed JIT-builds its ops (the CPU communication op: minutes on 2 cores) under
         # TORCH_EXTENSIONS_DIR, by default ~/.cache: one place per environment instead, where
         # the set-up builds them once and every launch, with or without the Makefile, finds them.
@@ -222,52 +241,57 @@ class DeepSpeedBackend(ProcessGroupBackend):
             raise BackendUnavailableError(f"deepspeed does not import ({exc}); {INSTALL_HINT}") from None
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.ds = deepspeed
-        assert self.environment is not None
-        self._local_rank = self.environment.world().local_rank
+        local_rank = self.environment.world().local_rank
         accel = get_accelerator().device_name()
-        self._device = self._pick_device(self._local_rank) if accel == "cuda" else torch.device("cpu")
-        self._init_process_group()  # parallelx's join (a store per torchrun restart); DeepSpeed then adopts it
+        device = self.run.pick_device(local_rank) if accel == "cuda" else torch.device("cpu")
+        self.init_process_group(device)  # parallelx's join (a store per torchrun restart); DeepSpeed then adopts it
         deepspeed.init_distributed(
-            dist_backend=self._dist_backend(), verbose=False, timeout=_dt.timedelta(seconds=self.timeout_s)
+            dist_backend=self.dist_backend(device), verbose=False, timeout=_dt.timedelta(seconds=self.run.timeout_s)
         )
-        self._read_world()
-        self._lockstep: ForwardLockstep | None = None
-        self.grad_sync = DeepSpeedSync(self._set_up_modules, self.comm, self.config, self._models)
+        joined = self.read_world(device)
+        self.sync = DeepSpeedSync(self.run.models, joined.comm, self.config, self.wrapped)
         if self.math_changes:
             warn(
                 f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
                 "what one process (and the other backends) compute"
             )
+        return joined
 
-    def _shutdown(self, *, failed: bool) -> None:
+    def gradient_sync(self) -> GradientSync:
+        assert self.sync is not None, "join() made it"
+        return self.sync
+
+    def shutdown(self, *, failed: bool) -> None:
         if not failed:
-            self.comm.barrier()  # every rank is done with the buffers
-        remove_shm_buffers(os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR"), self.rank)
-        super()._shutdown(failed=failed)
+            self.run.comm.barrier()  # every rank is done with the buffers
+        remove_shm_buffers(os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR"), self.run.world.rank)
+        super().shutdown(failed=failed)
 
     # ------------------------------------------------------------ the engine
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         """A :class:`DeepSpeedModel`; its engine is built by ``wrap_optimizer``
         (or, for evaluation only, by the first forward)."""
         if isinstance(model, DeepSpeedModel):
             raise ParallelxError("deepspeed: this model is already wrapped")
         lockstep = None
-        if self.zero_stage == 3 and self.world_size > 1:  # ZeRO-3's forward gathers the parameters: a collective
-            if self._lockstep is None:
-                self._lockstep = ForwardLockstep("deepspeed ZeRO-3", self.rank, self.timeout_s)
-            lockstep = self._lockstep
-        wrapped = DeepSpeedModel(model, self._build, self._watch, lockstep)
-        self._models.append(wrapped)
+        if (
+            self.zero_stage == 3 and self.run.world.world_size > 1
+        ):  # ZeRO-3's forward gathers the parameters: a collective
+            if self.lockstep is None:
+                self.lockstep = ForwardLockstep("deepspeed ZeRO-3", self.run.world.rank, self.run.timeout_s)
+            lockstep = self.lockstep
+        wrapped = DeepSpeedModel(model, self.build, self.run.watch, lockstep)
+        self.wrapped.append(wrapped)
         return wrapped
 
-    def _compile(self, wrapped: nn.Module) -> None:
-        pass  # the engine compiles itself once it is built (_build)
+    def compile(self, wrapped: nn.Module) -> None:
+        pass  # the engine compiles itself once it is built (build)
 
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(optimizer, DeepSpeedOptimizer):
             raise ParallelxError("deepspeed: this optimizer is already wrapped")
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owners = [m for m in self._models if wanted <= {id(p) for p in m.module.parameters()}]
+        owners = [m for m in self.wrapped if wanted <= {id(p) for p in m.module.parameters()}]
         if not owners:
             raise ParallelxError(
                 "deepspeed: DeepSpeed builds one engine per model and optimizer, and this optimizer's "
@@ -280,11 +304,11 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
                 "after wrap_model, or use backend.setup(model, optimizer)"
             )
-        built = self._build(owner, optimizer)
+        built = self.build(owner, optimizer)
         assert built is not None  # an optimizer was given
         return built
 
-    def _build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
+    def build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
         """Build ``wrapped``'s engine, with ``optimizer`` or for inference only (no optimizer)."""
         # Taken before ZeRO swaps the groups' parameters for its flat partitions.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad] if optimizer else []
@@ -297,26 +321,25 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 "1-element tensor, e.g. nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
             )
         engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=self.config)
-        if self.compile_options.enabled:
-            engine.compile(compile_kwargs=self.compile_options.kwargs)
+        if self.run.compile_options.enabled:
+            engine.compile(compile_kwargs=self.run.compile_options.kwargs)
         object.__setattr__(wrapped, "engine", engine)
         object.__setattr__(wrapped, "trains", optimizer is not None)
         engine.train(wrapped.training)
         return DeepSpeedOptimizer(engine, ds_optimizer, params) if optimizer is not None else None
 
     # ------------------------------------------------------ the training loop
-    def _options_changed(self) -> None:
-        self.config = build_config(*self._config_inputs, self.options)
-        if isinstance(self.grad_sync, DeepSpeedSync):
-            self.grad_sync.config = self.config
-        self._warn_rounding()
+    def options_changed(self, options: LoopOptions) -> None:
+        if self.sync is not None:
+            self.sync.config = self.config
+        self.warn_rounding(options)
 
-    def _warn_rounding(self) -> None:
+    def warn_rounding(self, options: LoopOptions) -> None:
         # ZeRO 2 and 3 keep a shard of the gradients only, so they reduce each
         # micro-batch's gradients as they are computed (DeepSpeed's no_sync
         # refuses to run under them).  In float32 that only reorders additions;
         # on a low-precision wire every micro-batch is rounded on its own.
-        o = self.options
+        o = options
         if self.zero_stage >= 2 and o.accumulate > 1 and o.grad_compression != "none":
             warn(
                 f"deepspeed: ZeRO stage {self.zero_stage} sends every micro-batch's gradients, so with "
@@ -324,9 +347,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 f"{o.grad_compression} separately; the update differs from the other backends (which round the "
                 "window's sum once) by that rounding"
             )
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DeepSpeedModel) else super().unwrap(model)
 
 
 class DeepSpeedSync(GradientSync):

@@ -17,32 +17,37 @@ from torch import nn
 
 from parallelx.errors import ParallelxError
 from parallelx.log import warn
-from parallelx.strategies.single_process import LocalBackend
+from parallelx.strategies.single_process import SingleProcessStrategy
+from parallelx.strategy import BackendSpec, Joined
 from parallelx.utils import has_batchnorm
 
 
-class DataParallelBackend(LocalBackend):
-    name = "dp"
-    summary = "`nn.DataParallel` over all visible GPUs, in one process"
-    probe_code = (
-        "import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
-        "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')"
+class DataParallelStrategy(SingleProcessStrategy):
+    spec = BackendSpec(
+        name="dp",
+        summary="`nn.DataParallel` over all visible GPUs, in one process",
+        probe_code=(
+            "import torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+            "print(f'DataParallel over {n} GPU(s)' if n > 1 else 'fewer than 2 GPUs: runs as single')"
+        ),
     )
+    gpus = 0
 
-    def _init(self) -> None:
-        self._device = self._pick_device(0)
-        self._gpus = torch.cuda.device_count() if self._device.type == "cuda" else 0
-        if self._gpus < 2 and self.verbose:
+    def join(self) -> Joined:
+        device = self.run.pick_device(0)
+        self.gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        if self.gpus < 2 and self.run.verbose:
             where = (
                 "1 GPU is"
-                if self._gpus == 1
-                else ("the CPU was asked for" if self.device_request == "cpu" else "no GPU is")
+                if self.gpus == 1
+                else ("the CPU was asked for" if self.run.device_request == "cpu" else "no GPU is")
             )
             warn(f"dp: {where} in use, so DataParallel has nothing to split over; running as 'single'")
+        return self.world_of_one(device)
 
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        if self._gpus < 2:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.run.device)
+        if self.gpus < 2:
             return model
         if has_batchnorm(model):
             warn(
@@ -51,11 +56,11 @@ class DataParallelBackend(LocalBackend):
             )
         return nn.DataParallel(model)
 
-    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self._gpus < 2:
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.gpus < 2:
             return model  # one device: the statistics are the whole batch's already
         raise ParallelxError(
-            f"dp: DataParallel cannot synchronise BatchNorm across its {self._gpus} GPUs (each "
+            f"dp: DataParallel cannot synchronise BatchNorm across its {self.gpus} GPUs (each "
             "replica normalises its slice); use ddp (torchrun --nproc-per-node N ... --backend "
             "ddp), whose sync_batchnorm does"
         )

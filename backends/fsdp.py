@@ -50,7 +50,8 @@ from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.precision import Precision
 from parallelx.parts.state import named_from_indexed
 from parallelx.parts.stateio import StateIO, Unwrap
-from parallelx.strategies.process_group import ProcessGroupBackend
+from parallelx.strategies.process_group import ProcessGroupStrategy
+from parallelx.strategy import BackendSpec, Joined, unwrap
 from parallelx.transforms.compiling import compile_in_place
 from parallelx.transforms.units import UnitPolicy, parse_names, select_units
 from parallelx.utils import lazy_module
@@ -179,19 +180,20 @@ class FSDPStateIO(StateIO):
         raise ParallelxError("fsdp: this optimizer trains no model set up by this backend")
 
 
-class FSDPBackend(ProcessGroupBackend):
-    name = "fsdp"
-    summary = "`fully_shard` (FSDP2): parameters, gradients and optimizer state sharded; NCCL on GPUs, Gloo on the CPU"
-    launcher = TORCHRUN
-    probe_code = (
-        "import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
-        "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
+class FSDPStrategy(ProcessGroupStrategy):
+    spec = BackendSpec(
+        name="fsdp",
+        summary="`fully_shard` (FSDP2): parameters, gradients and optimizer state sharded; NCCL on GPUs, Gloo on the CPU",
+        launcher=TORCHRUN,
+        probe_code=(
+            "import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
+            "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
+        ),
+        offloads=True,
+        # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
+        environments=("ray", "torchrun", "deepspeed", "slurm", "env", "local"),
     )
     precision_class = ShardedPrecision
-    offloads = True
-
-    # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
-    environments = ("ray", "torchrun", "deepspeed", "slurm", "env", "local")
 
     def __init__(
         self,
@@ -199,9 +201,7 @@ class FSDPBackend(ProcessGroupBackend):
         shard: ShardPolicy = None,
         reshard_after_forward: bool = True,
         sharded_checkpoints: bool = False,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
         if shard is not None and not callable(shard):
             shard = tuple(shard)
             if not all(isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module)) for t in shard):
@@ -209,7 +209,12 @@ class FSDPBackend(ProcessGroupBackend):
         self.shard = shard
         self.reshard_after_forward = bool(reshard_after_forward)
         self.sharded_checkpoints = bool(sharded_checkpoints)
-        self.state_io = FSDPStateIO(self.unwrap, self._set_up_modules, self.sharded_checkpoints)
+        self.sharded: list[FSDPModule] = []
+        self.renamed: dict[int, tuple[nn.Module, str]] = {}
+        self.lockstep: ForwardLockstep | None = None
+
+    def state_io(self) -> StateIO:
+        return FSDPStateIO(unwrap, self.run.models, self.sharded_checkpoints)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -245,24 +250,25 @@ class FSDPBackend(ProcessGroupBackend):
         )
         return options
 
-    def _init(self) -> None:
+    def join(self) -> Joined:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._join_rendezvous()
+        device = self.join_rendezvous()
+        joined = self.read_world(device)
         # Explicit, on this process's device type: never FSDP2's accelerator default.
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self._models: list[FSDPModule] = []
-        self._renamed: dict[int, tuple[nn.Module, str]] = {}
-        self._lockstep: ForwardLockstep | None = None
-        self._sync = FSDPSync(self._set_up_modules, self.comm, self._models)
-        self.grad_sync = self._sync
+        self.mesh = init_device_mesh(device.type, (joined.world_size,))
+        self.sync = FSDPSync(self.run.models, joined.comm, self.sharded)
+        return joined
+
+    def gradient_sync(self) -> GradientSync:
+        return self.sync
 
     # ------------------------------------------------------------ wrapping
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The modules sharded as units of their own before the root, innermost first."""
         return select_units(model, self.shard, who="fsdp")
 
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
@@ -273,59 +279,59 @@ class FSDPBackend(ProcessGroupBackend):
 
         if isinstance(model, FSDPModule):
             raise ParallelxError("fsdp: this model is already sharded")
-        model = model.to(self.device)
+        model = model.to(self.run.device)
         units = self.units(model)  # before any change: a wrong choice fails before the broadcasts
         # Rank 0's parameters and buffers on every rank, as DDP does at construction.
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
-                self._broadcast_into(t)
+                self.broadcast_into(t)
         # The optimizer was built on the parameters fully_shard replaces: remember their names.
-        self._renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
+        self.renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
         # The wire type is built in here: set_options(grad_compression=...) applies to models wrapped later.
-        policy = MixedPrecisionPolicy(reduce_dtype=self.options.wire_dtype)  # None: the gradients' dtype
+        policy = MixedPrecisionPolicy(reduce_dtype=self.run.options.wire_dtype)  # None: the gradients' dtype
         # fully_shard cannot split a scalar (CLIP's logit_scale): such parameters stay whole on every
         # rank, and their gradients are averaged by a hook of parallelx's, in the backward, as DDP would.
         scalars = {p for p in model.parameters() if p.dim() == 0}
         for p in scalars:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._sync.average_replicated)
+                p.register_post_accumulate_grad_hook(self.sync.average_replicated)
         for module in [*units, model]:
-            if module is not model and self.compile_options.enabled:  # per block, between FSDP2's collectives
-                compile_in_place(module, self.compile_options)
+            if module is not model and self.run.compile_options.enabled:  # per block, between FSDP2's collectives
+                compile_in_place(module, self.run.compile_options)
             sharded = fully_shard(
                 module,
                 mesh=self.mesh,
                 reshard_after_forward=self.reshard_after_forward,
                 mp_policy=policy,
-                offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+                offload_policy=CPUOffloadPolicy() if self.run.cpu_offload else OffloadPolicy(),
                 ignored_params=scalars or None,
             )
-        if self.world_size > 1:
-            if self._lockstep is None:
-                self._lockstep = ForwardLockstep("fsdp", self.rank, self.timeout_s)
-            lockstep = self._lockstep
+        if self.run.world.world_size > 1:
+            if self.lockstep is None:
+                self.lockstep = ForwardLockstep("fsdp", self.run.world.rank, self.run.timeout_s)
+            lockstep = self.lockstep
             # Before FSDP2's own pre-forward (its gathers): a rank-0-only forward is one clear error, not a hang.
             model.register_forward_pre_hook(lambda m, args: lockstep.check(m.training), prepend=True)
-        self._models.append(sharded)
+        self.sharded.append(sharded)
         return model
 
-    def _compile(self, wrapped: nn.Module) -> None:
-        pass  # the units were compiled one by one before sharding (_wrap_model)
+    def compile(self, wrapped: nn.Module) -> None:
+        pass  # the units were compiled one by one before sharding (wrap_model)
 
-    def _broadcast_into(self, tensor: torch.Tensor) -> None:
-        if self.world_size > 1:
-            buf = tensor.detach().to(self.comm.comm_device(tensor))
+    def broadcast_into(self, tensor: torch.Tensor) -> None:
+        if self.run.world.world_size > 1:
+            buf = tensor.detach().to(self.run.comm.comm_device(tensor))
             dist.broadcast(buf, src=0)
             tensor.copy_(buf)
 
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # Point the user's optimizer at the sharded parameters, by name.
         swapped: dict[int, nn.Parameter] = {}
         for group in optimizer.param_groups:
             new = []
             for p in group["params"]:
-                if id(p) in self._renamed:
-                    model, name = self._renamed.pop(id(p))
+                if id(p) in self.renamed:
+                    model, name = self.renamed.pop(id(p))
                     swapped[id(p)] = model.get_parameter(name)
                     new.append(swapped[id(p)])
                 else:  # built on the sharded model already

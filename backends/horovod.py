@@ -20,7 +20,6 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 from parallelx.launching import network
 from parallelx.launching.launchers import Launcher
@@ -30,6 +29,7 @@ from parallelx.parts.elastic import Elastic
 from parallelx.parts.gradsync import GradientSync, parameter_names
 from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import Precision
+from parallelx.strategy import BackendSpec, Joined, Strategy
 from parallelx.transforms.batchnorm import convert_batchnorm
 
 T = TypeVar("T")
@@ -87,25 +87,29 @@ def _driver_elsewhere(environ: Mapping[str, str]) -> bool:
     return not network.is_loopback(address) and address not in own
 
 
-class HorovodBackend(Backend):
-    name = "horovod"
-    summary = "`hvd.DistributedOptimizer` (averaging, no compression), rank-0 broadcast"
-    launcher = HOROVODRUN
-    requires_module = "horovod"
-    # Seen with 0.28.1 on the Gloo controller: a rank that never joins a
-    # collective is not shut down by Horovod's stall inspector.
-    needs_watchdog = True
-    install_hint = INSTALL_HINT
-    probe_code = (
-        "import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
-        "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')"
+class HorovodStrategy(Strategy):
+    spec = BackendSpec(
+        name="horovod",
+        summary="`hvd.DistributedOptimizer` (averaging, no compression), rank-0 broadcast",
+        launcher=HOROVODRUN,
+        requires_module="horovod",
+        # Seen with 0.28.1 on the Gloo controller: a rank that never joins a
+        # collective is not shut down by Horovod's stall inspector.
+        needs_watchdog=True,
+        install_hint=INSTALL_HINT,
+        probe_code=(
+            "import horovod, horovod.torch as h; print('horovod', horovod.__version__, "
+            "'gloo' if h.gloo_built() else '', 'nccl' if h.nccl_built() else '')"
+        ),
+        # hvd.init() forms the world from horovodrun's variables; without them, a world of one.
+        # Not srun's tasks (this build has no MPI: horovodrun with the allocation's hosts) nor Ray (which dropped Horovod).
+        environments=("horovodrun", "local"),
     )
 
-    # hvd.init() forms the world from horovodrun's variables; without them, a world of one.
-    # Not srun's tasks (this build has no MPI: horovodrun with the allocation's hosts) nor Ray (which dropped Horovod).
-    environments = ("horovodrun", "local")
+    def __init__(self) -> None:
+        self.wrapped: list[nn.Module] = []
 
-    def _init(self) -> None:
+    def join(self) -> Joined:
         # Horovod reads its timeouts from the environment: the Gloo rendezvous
         # timeout, and the stall inspector, which by default only warns about a
         # rank that never joins a collective; make it shut the job down instead.
@@ -113,16 +117,17 @@ class HorovodBackend(Backend):
         # with 0.28.1 on the Gloo controller: a rank that never joins (asleep)
         # is not shut down by the stall inspector, hence needs_watchdog; a rank
         # that *exits* is handled by horovodrun, which then stops every other rank.
-        timeout = max(1, int(self.timeout_s))
+        timeout = max(1, int(self.run.timeout_s))
         for key, value in (
             ("HOROVOD_GLOO_TIMEOUT_SECONDS", timeout),
             ("HOROVOD_STALL_CHECK_TIME_SECONDS", min(60, timeout)),
             ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout),
         ):
-            if self.timeout_explicit or os.environ.get(key, "0") in ("", "0"):
+            if self.run.timeout_explicit or os.environ.get(key, "0") in ("", "0"):
                 os.environ[key] = str(value)
-        assert self.environment is not None
-        launched = self.environment.name == "horovodrun"
+        env = self.run.environment
+        assert env is not None, "the facade detects the environment before join()"
+        launched = env.name == "horovodrun"
         try:
             import horovod.torch as hvd
         except ImportError as exc:
@@ -137,43 +142,57 @@ class HorovodBackend(Backend):
         if problem:  # the hosts may all be names of this machine, where the loopback works
             warn(f"if this job's hosts are other machines, it fails at start-up: {problem}")
         hvd.init()
-        self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-        self._local_world_size = hvd.local_size()
         if not launched:
             warn(
                 f"horovod: no launcher found, running as a world of 1 process; for N processes start with "
-                f"`{self.launcher.usage()}`"
+                f"`{self.spec.launcher.usage()}`"
             )
         # Horovod moves CUDA tensors with NCCL only when it was built with it.
-        if self.device_request == "cuda" and not hvd.nccl_built():
+        if self.run.device_request == "cuda" and not hvd.nccl_built():
             raise ParallelxError(
                 "horovod: device 'cuda' asked for, but this Horovod was built without NCCL; "
                 f"rebuild it on the GPU machine ({INSTALL_HINT}) or use --device cpu"
             )
-        self._device = self._pick_device(self._local_rank) if hvd.nccl_built() else torch.device("cpu")
-        self._models: list[nn.Module] = []
-        self.comm = HorovodCollectives(hvd, self.device, self._watch)
-        self.grad_sync = HorovodSync(self._set_up_modules)
-        self.elastic = HorovodElastic(hvd, self._rejoined, self._watch)
+        return self.world()
 
-    def _shutdown(self, *, failed: bool) -> None:
+    def world(self) -> Joined:
+        """Where this process stands in Horovod's world (again after an elastic reset)."""
+        hvd = self.hvd
+        # Horovod moves CUDA tensors with NCCL only when it was built with it.
+        device = self.run.pick_device(hvd.local_rank()) if hvd.nccl_built() else torch.device("cpu")
+        return Joined(
+            rank=hvd.rank(),
+            world_size=hvd.size(),
+            local_rank=hvd.local_rank(),
+            local_world_size=hvd.local_size(),
+            device=device,
+            comm=HorovodCollectives(hvd, device, self.run.watch),
+        )
+
+    def gradient_sync(self) -> GradientSync:
+        return HorovodSync(self.run.models)
+
+    def elastic(self) -> Elastic:
+        return HorovodElastic(self.hvd, self.rejoined, self.run.watch)
+
+    def shutdown(self, *, failed: bool) -> None:
         # After a failure horovodrun stops the other ranks; a shutdown here could wait for them.
         if not failed:
             self.hvd.shutdown()
 
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.run.device)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self._models.append(model)
+        self.wrapped.append(model)
         return model
 
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         hvd = self.hvd
         # Horovod matches gradients across ranks by these names (Backend.wrap_optimizer
         # has checked that every parameter belongs to a wrapped model).
-        names = parameter_names(self._models)
+        names = parameter_names(self.wrapped)
         named = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
-        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.grad_compression]
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.run.options.grad_compression]
         # backward_passes_per_step: the all-reduce fires on the window's last
         # backward; a shorter last window is completed by synchronize() in step().
         dist_opt = hvd.DistributedOptimizer(
@@ -181,7 +200,7 @@ class HorovodBackend(Backend):
             named_parameters=named,
             op=hvd.Average,
             compression=compression,
-            backward_passes_per_step=self.options.accumulate,
+            backward_passes_per_step=self.run.options.accumulate,
             gradient_predivide_factor=1.0,
         )
         # hvd.broadcast_optimizer_state initialises an empty state with a
@@ -189,8 +208,8 @@ class HorovodBackend(Backend):
         # fresh optimizer is empty (hence equal) on every rank, so only a
         # loaded state needs broadcasting; all ranks agree on that first.
         has_state = torch.tensor([1 if optimizer.state_dict()["state"] else 0])
-        agree = self.comm.all_reduce(has_state, op="sum").item()
-        if agree not in (0, self.world_size):
+        agree = self.run.comm.all_reduce(has_state, op="sum").item()
+        if agree not in (0, self.run.world.world_size):
             raise ParallelxError(
                 "horovod: optimizer state was loaded on some ranks but not others; load the checkpoint on every rank"
             )
@@ -198,32 +217,27 @@ class HorovodBackend(Backend):
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
         return dist_opt
 
-    def _check_options(self, options: LoopOptions) -> None:
+    def configure(self, options: LoopOptions) -> LoopOptions:
         if options.grad_compression == "bf16":
             raise ParallelxError(
                 "horovod: --grad-compression bf16 is not available: Horovod has no bfloat16 "
                 "tensor support; use fp16 (hvd.Compression.fp16) or none"
             )
+        return options
 
-    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.world_size > 1 and self.device.type == "cuda":
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.run.world.world_size > 1 and self.run.device.type == "cuda":
             return convert_batchnorm(model, self.hvd.SyncBatchNorm)
         # hvd.SyncBatchNorm runs on GPUs only; the base's reduces through all_reduce.
-        return super()._sync_batchnorm(model)
+        return super().sync_batchnorm(model)
 
-    def _rejoined(self) -> None:
+    def rejoined(self) -> None:
         """Take the new world's rank and sizes after ``hvd.elastic.run`` re-initialised
         Horovod (ranks are not stable across a reset; the world may have shrunk)."""
-        hvd = self.hvd
-        self._rank, self._world_size, self._local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-        self._local_world_size = hvd.local_size()
-        if hvd.nccl_built():
-            self._device = self._pick_device(self._local_rank)
-        self.comm = HorovodCollectives(hvd, self.device, self._watch)
-        self.loop.comm = self.comm
+        self.run.rejoin(self.world())
         # The models of an earlier train() are gone: their parameter names must
         # not prefix the new ones (Horovod matches gradients across ranks by name).
-        self._models = []
+        self.wrapped = []
 
 
 class HorovodCollectives(Collectives):

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallelx.strategies.single_process import LocalBackend
+from parallelx.strategies.single_process import SingleProcessStrategy
+from parallelx.strategy import BackendSpec
 
 
-class SingleBackend(LocalBackend):
-    name = "single"
-    summary = "one device: `cuda:0`, else the CPU"
+class SingleStrategy(SingleProcessStrategy):
+    spec = BackendSpec(name="single", summary="one device: `cuda:0`, else the CPU")
 
-    def _init(self) -> None:
-        self._device = self._pick_device(0)
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model.to(self.run.device)

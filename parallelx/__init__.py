@@ -17,9 +17,17 @@ from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxErro
 from parallelx.launching.launchers import Launcher
 from parallelx.log import warn
 from parallelx.parts.sampler import ShardedSampler
-from parallelx.registry import available_backends, backend_class, detect_backend, get_backend, register_backend
-from parallelx.strategies.process_group import ProcessGroupBackend
-from parallelx.strategies.single_process import LocalBackend
+from parallelx.registry import (
+    available_backends,
+    backend_class,
+    describe,
+    detect_backend,
+    get_backend,
+    register_backend,
+)
+from parallelx.strategies.process_group import ProcessGroupStrategy
+from parallelx.strategies.single_process import SingleProcessStrategy
+from parallelx.strategy import BackendSpec, Joined, Options, Strategy
 from parallelx.training.main_process import get_logger, local_main_process_first, main_process_first
 from parallelx.training.metrics import MetricSums, real_mask
 from parallelx.training.preemption import Preemption
@@ -28,21 +36,26 @@ from parallelx.version import __version__
 
 __all__ = [
     "Backend",
+    "BackendSpec",
     "BackendUnavailableError",
+    "Joined",
     "LaunchError",
     "Launcher",
-    "LocalBackend",
     "MetricSums",
+    "Options",
     "ParallelxError",
     "Preemption",
-    "ProcessGroupBackend",
+    "ProcessGroupStrategy",
     "ReduceOp",
     "ShardedSampler",
+    "SingleProcessStrategy",
+    "Strategy",
     "UnknownBackendError",
     "__version__",
     "add_arguments",
     "available_backends",
     "backend_class",
+    "describe",
     "detect_backend",
     "exit_on_error",
     "from_args",

@@ -23,7 +23,8 @@ from parallelx.cli import exit_on_error
 from parallelx.errors import ParallelxError
 from parallelx.launching import envreport
 from parallelx.launching.runner import launch
-from parallelx.registry import backend_class, markdown_table
+from parallelx.registry import available_backends, describe, detect_backend, markdown_table
+from parallelx.strategy import BackendSpec
 
 
 @exit_on_error
@@ -85,12 +86,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "env":
         if args.network:
             return envreport.network_main(args.master_addr, args.master_port, args.wait)
-        return envreport.main()
+        return envreport.main(_descriptions(), detect_backend())
     if args.command == "convert-checkpoint":
         return _convert(Path(args.src), Path(args.dst))
     if args.command == "check":
         return check_command.main(args, target)
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
+
+
+def _descriptions() -> dict[str, BackendSpec | Exception]:
+    """Every registered backend's description, or why it does not load (a broken third-party entry point)."""
+    out: dict[str, BackendSpec | Exception] = {}
+    for name in available_backends():
+        if name == "auto":
+            continue
+        try:
+            out[name] = describe(name)
+        except Exception as exc:
+            out[name] = exc
+    return out
 
 
 def _convert(src: Path, dst: Path) -> int:
@@ -107,11 +121,11 @@ def _launch(name: str, nproc: int, target: list[str], *, dry_run: bool) -> int:
         raise ParallelxError("nothing to launch: end with `-- -m package.module [args]` or `-- script.py [args]`")
     if nproc < 1:
         raise ParallelxError(f"-n must be >= 1, got {nproc}")
-    cls = backend_class(name)
-    spec = cls.launcher
+    described = describe(name)
+    spec = described.launcher
     if spec.program_path() is None:
-        raise ParallelxError(f"the {spec.name} launcher is not installed; {cls.install_hint}")
-    target = [*target, "--backend", cls.name]
+        raise ParallelxError(f"the {spec.name} launcher is not installed; {described.install_hint}")
+    target = [*target, "--backend", described.name]
     if dry_run:
         print(" ".join(spec.command(target, nproc if spec.multi_process else 1)))
         return 0

@@ -1,9 +1,11 @@
 """Backend names, lookup and launcher detection.
 
-Built-in backends are listed by module path, so nothing is imported until a
-backend is asked for.  Third-party backends register through the
-``parallelx.backends`` entry-point group (``name = "pkg.module:Class"``) or at
-run time with :func:`register_backend`.
+A backend is a :class:`~parallelx.strategy.Strategy` subclass described by a
+:class:`~parallelx.strategy.BackendSpec` (:func:`describe`); :func:`get_backend`
+puts one inside the :class:`~parallelx.Backend` facade.  Built-in backends are
+listed by module path, so nothing is imported until a backend is asked for.
+Third-party backends register through the ``parallelx.backends`` entry-point
+group (``name = "pkg.module:Class"``) or at run time with :func:`register_backend`.
 """
 
 from __future__ import annotations
@@ -18,23 +20,24 @@ from typing import Any
 from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, UnknownBackendError
 from parallelx.launching.environments import detect_environment
+from parallelx.strategy import BackendSpec, Options, Strategy
 
 ENTRY_POINT_GROUP = "parallelx.backends"
 
 _BUILTIN: dict[str, str] = {
-    "single": "parallelx.backends.single:SingleBackend",
-    "dp": "parallelx.backends.dp:DataParallelBackend",
-    "ddp": "parallelx.backends.ddp:DDPBackend",
-    "horovod": "parallelx.backends.horovod:HorovodBackend",
-    "deepspeed": "parallelx.backends.deepspeed:DeepSpeedBackend",
-    "fsdp": "parallelx.backends.fsdp:FSDPBackend",
+    "single": "parallelx.backends.single:SingleStrategy",
+    "dp": "parallelx.backends.dp:DataParallelStrategy",
+    "ddp": "parallelx.backends.ddp:DDPStrategy",
+    "horovod": "parallelx.backends.horovod:HorovodStrategy",
+    "deepspeed": "parallelx.backends.deepspeed:DeepSpeedStrategy",
+    "fsdp": "parallelx.backends.fsdp:FSDPStrategy",
 }
-_REGISTERED: dict[str, str | type[Backend]] = {}
+_REGISTERED: dict[str, str | type[Strategy]] = {}
 
 
-def register_backend(name: str, target: str | type[Backend]) -> None:
-    """Make ``name`` available to :func:`get_backend`; ``target`` is a Backend
-    subclass or a ``"module:Class"`` path imported on first use."""
+def register_backend(name: str, target: str | type[Strategy]) -> None:
+    """Make ``name`` available to :func:`get_backend`; ``target`` is a
+    :class:`~parallelx.strategy.Strategy` subclass or a ``"module:Class"`` path imported on first use."""
     _REGISTERED[name] = target
 
 
@@ -42,8 +45,8 @@ def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _table() -> dict[str, str | type[Backend]]:
-    table: dict[str, str | type[Backend]] = dict(_BUILTIN)
+def _table() -> dict[str, str | type[Strategy]]:
+    table: dict[str, str | type[Strategy]] = dict(_BUILTIN)
     for name, value in _entry_points().items():
         table.setdefault(name, value)
     table.update(_REGISTERED)
@@ -55,10 +58,10 @@ def available_backends() -> list[str]:
     return [*_table(), "auto"]
 
 
-def backend_class(name: str) -> type[Backend]:
-    """The Backend subclass registered as ``name`` (imports its module, which
-    never imports the backend's heavy package).  ``auto`` is the class the
-    launcher of this process was meant for (see :func:`detect_backend`)."""
+def backend_class(name: str) -> type[Strategy]:
+    """The strategy registered as ``name`` (imports its module, which never
+    imports the backend's heavy package).  ``auto`` is the one the launcher of
+    this process was meant for (see :func:`detect_backend`)."""
     if name == "auto":
         name = detect_backend()
     table = _table()
@@ -68,9 +71,16 @@ def backend_class(name: str) -> type[Backend]:
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         target = getattr(importlib.import_module(module), attr)
-    if not (isinstance(target, type) and issubclass(target, Backend)):
-        raise UnknownBackendError(f"backend {name!r} resolves to {target!r}, which is not a parallelx.Backend")
+    if not (isinstance(target, type) and issubclass(target, Strategy)):
+        raise UnknownBackendError(
+            f"backend {name!r} resolves to {target!r}, which is not a parallelx.strategy.Strategy subclass"
+        )
     return target
+
+
+def describe(name: str) -> BackendSpec:
+    """The backend ``name`` as a record: its launcher, environments, install hint, probe."""
+    return backend_class(name).spec
 
 
 def detect_backend(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> str:
@@ -103,19 +113,22 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
     ``auto`` picks from the launcher's environment: torchrun -> ``ddp``,
     horovodrun -> ``horovod``, the deepspeed launcher -> ``deepspeed``; with no
     launcher, ``dp`` when several GPUs are visible, else ``single``.
-    ``options`` go to the backend's constructor (e.g. ``timeout=60``,
-    ``accumulate=4``).
+    ``options`` are :class:`~parallelx.strategy.Options` fields (e.g. ``timeout=60``,
+    ``accumulate=4``) or the backend's own (a ZeRO stage, fsdp's units: see its module).
     """
     if name == "auto":
         name = detect_backend()
     cls = backend_class(name)
-    reason = cls.unavailable_reason()
+    reason = cls.spec.unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
+    common = {k: v for k, v in options.items() if k in Options.fields()}
+    own = {k: v for k, v in options.items() if k not in common}
     try:
-        return cls(**options)
+        strategy = cls(**own)
     except TypeError as exc:
         raise UnknownBackendError(f"backend {name!r} does not accept these options: {exc}") from None
+    return Backend(strategy, Options(**common))
 
 
 def markdown_table(module: str = "recipes.dogcat") -> str:
@@ -124,6 +137,6 @@ def markdown_table(module: str = "recipes.dogcat") -> str:
     for name in available_backends():
         if name == "auto":
             continue
-        cls = backend_class(name)
-        rows.append(f"| `{name}` | `{cls.launcher.example(module)} --backend {name}` | {cls.summary} |")
+        spec = describe(name)
+        rows.append(f"| `{name}` | `{spec.launcher.example(module)} --backend {name}` | {spec.summary} |")
     return "\n".join(rows) + "\n"

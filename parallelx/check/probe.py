@@ -1,10 +1,11 @@
 """What ``python -m parallelx check`` records inside each process of a run it launches.
 
 The check (:mod:`parallelx.check`) starts the user's unmodified script with
-``$PARALLELX_CHECK_DIR`` set.  :meth:`Backend.init` then calls :func:`attach`,
-which returns a :class:`Probe` (None when the variable is absent: a normal
-run pays nothing).  The probe watches the run through the parts' public
-methods and a few calls from the protocol (the model before and after
+``$PARALLELX_CHECK_DIR`` set and ``$PARALLELX_OBSERVERS`` naming :func:`attach`, which
+:meth:`Backend.init` calls (a normal run names nothing and pays nothing).  The
+:class:`Probe` is one of the facade's :class:`~parallelx.backend.Observer` objects:
+it watches the run, never replaces a part of it, through the loop's watchers and
+boundary hooks and the facade's observer calls (the model before and after
 wrapping, the optimizer after wrapping, each sampler made, the shutdown):
 
 - every training forward of a wrapped model: a digest of its inputs and of
@@ -40,21 +41,19 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from parallelx.backend import Backend, Observer
 from parallelx.check import world as virtualworld
-from parallelx.parts.loop import TrainingLoop
+from parallelx.parts.loop import LoopOptions, LoopWatcher
 from parallelx.parts.sampler import ShardedSampler
 from parallelx.settings import limit_cpu_threads
 from parallelx.transforms.buffers import per_process_batchnorm
 from parallelx.utils import has_batchnorm
-
-if TYPE_CHECKING:
-    from parallelx.backend import Backend
 
 T = TypeVar("T")
 
@@ -150,7 +149,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ the probe
-class Probe:
+class Probe(Observer):
     """Records one process of a checked run (see the module's docstring)."""
 
     def __init__(
@@ -195,7 +194,12 @@ class Probe:
             # A rank's share of the cores, as each of the N processes has: the same intra-op sums.
             limit_cpu_threads(backend.device, ranks)
         folder.mkdir(parents=True, exist_ok=True)
-        backend.loop = ProbeLoop.around(backend.loop, self)
+        #: True while ``backend.step`` runs.
+        self.in_step = False
+        loop = backend.loop
+        assert loop is not None, "the facade attaches its observers once its loop is made"
+        loop.add_watcher(ProbeWatcher(self))
+        loop.add_boundary_hook(self.at_boundary)
         _patch_tensor_backward(self)
         atexit.register(self.finish, collective=False)
 
@@ -292,8 +296,9 @@ class Probe:
         """(the loop manages the current micro-batch, its position in the window, it is the
         window's last, the loop is stepping)."""
         loop = self.backend.loop
+        assert loop is not None
         w = loop.window
-        return w.managed, w.position, w.boundary, isinstance(loop, ProbeLoop) and loop.in_step
+        return w.managed, w.position, w.boundary, self.in_step
 
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.done:
@@ -439,51 +444,32 @@ class Probe:
         os._exit(0)
 
 
-class ProbeLoop(TrainingLoop):
-    """The backend's loop, with the probe told of each loss, boundary and step;
-    in the reference it plays the virtual world's windows."""
+class ProbeWatcher(LoopWatcher):
+    """Tells the probe of each loss, backward and step of the backend's own loop; in the
+    reference it plays the virtual world's windows."""
 
-    probe: Probe
-    in_step: bool = False
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
 
-    @classmethod
-    def around(cls, loop: TrainingLoop, probe: Probe) -> ProbeLoop:
-        new = cls(loop.name, loop.sync, loop.comm, loop.watch, loop.options, loop.precision)
-        new.probe = probe
-        new.in_step = False
-        new.add_boundary_hook(probe.at_boundary)
-        return new
-
-    def batches(self, loader: Iterable[T], limit: int | None = None) -> Iterator[T]:
+    def view(self, loader: Iterable[Any], limit: int | None) -> tuple[Iterable[Any], int | None, LoopOptions | None]:
         world = self.probe.world_of
-        if world is None:
-            yield from super().batches(loader, limit)
-            return
+        loop = self.probe.backend.loop
+        if world is None or loop is None:
+            return loader, limit, None
         view, n = world.loader_view(loader)
-        saved = self.options
         # Each window holds the N virtual ranks' micro-batches of a window, in turn.
-        scaled = self.options = world.window_options(saved, n)
-        try:
-            yield from super().batches(view, None if limit is None else limit * n)
-        finally:
-            if self.options is scaled:  # (set_options meanwhile wins)
-                self.options = saved
+        return view, None if limit is None else limit * n, world.window_options(loop.options, n)
 
-    def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+    def before_backward(self, loss: torch.Tensor) -> None:
         self.probe.saw_loss(loss)
         self.probe.inside_backward = True
-        try:
-            super().backward(loss, model)
-        finally:
-            self.probe.inside_backward = False
+
+    def after_backward(self) -> None:
+        self.probe.inside_backward = False
         self.probe.after_backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> Any:
-        self.in_step = True
-        try:
-            return super().step(optimizer, scheduler)
-        finally:
-            self.in_step = False
+    def stepping(self, inside: bool) -> None:
+        self.probe.in_step = inside
 
 
 _PROBES: list[weakref.ref[Probe]] = []

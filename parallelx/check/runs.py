@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from parallelx.backend import OBSERVERS_ENV
 from parallelx.check import probe as checkprobe
 from parallelx.errors import ParallelxError
 from parallelx.launching import runner
-from parallelx.registry import available_backends, backend_class
+from parallelx.registry import available_backends, backend_class, describe
 
 #: The backend of the reference and the floor: one process, one device.
 REFERENCE_BACKEND = "single"
@@ -124,8 +125,8 @@ def default_backends() -> list[str]:
     for name in available_backends():
         if name == "auto":
             continue
-        cls = backend_class(name)
-        if cls.launcher.multi_process and runner.unavailable(cls) is None:
+        spec = describe(name)
+        if spec.launcher.multi_process and runner.unavailable(spec) is None:
             names.append(name)
     return names
 
@@ -142,13 +143,13 @@ def plan(backends: Sequence[str] | None, stages: Sequence[int], nproc: int) -> l
     for name in names:
         if name not in known:
             raise ParallelxError(f"--backends: unknown backend {name!r}; valid backends are: {', '.join(known)}")
-        cls = backend_class(name)
-        if not cls.launcher.multi_process:
+        described = describe(name)
+        if not described.launcher.multi_process:
             raise ParallelxError(
                 f"--backends: {name} runs one process; the check compares multi-process backends with its own "
                 "one-process reference (leave it out)"
             )
-        reason = runner.unavailable(cls)
+        reason = runner.unavailable(described)
         if reason is not None:
             raise ParallelxError(f"--backends: {name} cannot run here: {reason}")
         if stages and accepts(name, STAGE_OPTION):
@@ -187,6 +188,7 @@ def run_one(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = {
+        OBSERVERS_ENV: "parallelx.check.probe:attach",  # Backend.init attaches the probe
         checkprobe.ENV_DIR: str(out),
         checkprobe.ENV_STEPS: str(steps),
         checkprobe.ENV_RANKS: str(spec.ranks),
@@ -195,9 +197,8 @@ def run_one(
     }
     if "PARALLELX_TIMEOUT" not in os.environ:
         env["PARALLELX_TIMEOUT"] = str(max(30, int(timeout)))  # a stalled collective ends within the run's time
-    cls = backend_class(spec.backend)
     argv = [*target, "--backend", spec.backend, *spec.extra]
-    done = runner.launch(cls.launcher, argv, spec.nproc, timeout=timeout, env=env, cwd=cwd)
+    done = runner.launch(describe(spec.backend).launcher, argv, spec.nproc, timeout=timeout, env=env, cwd=cwd)
     result = RunResult(spec, seconds=done.seconds, returncode=done.returncode, timed_out=done.timed_out)
     result.tail = done.tail(40)
     result.warnings = sorted({m.group(1).strip() for ln in done.output.splitlines() if (m := WARNING.search(ln))})

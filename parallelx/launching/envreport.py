@@ -17,15 +17,14 @@ import time
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from parallelx.errors import LaunchError
 from parallelx.launching import network
 from parallelx.launching.environments import detect_environment
-from parallelx.launching.runner import unavailable
-from parallelx.registry import available_backends, backend_class, detect_backend
+from parallelx.launching.runner import Runnable, unavailable
 
 
 def _probe(code: str, timeout: float = 120.0) -> tuple[bool, str]:
@@ -88,24 +87,31 @@ def _probe_all(codes: Mapping[str, str], timeout: float = 240.0) -> dict[str, tu
     return results
 
 
-def report() -> list[tuple[str, bool, str, str]]:
+class Probed(Runnable, Protocol):
+    """A backend as the report reads it (:class:`parallelx.strategy.BackendSpec`)."""
+
+    @property
+    def probe_code(self) -> str | None: ...
+
+
+#: Each registered backend's description, or why it cannot be loaded (the registry, above this module, hands them in).
+Described = Mapping[str, "Probed | Exception"]
+
+
+def report(backends: Described) -> list[tuple[str, bool, str, str]]:
     """``(backend, usable, detail, launch line)`` for every registered backend."""
     rows: list[tuple[str, bool | None, str, str]] = []
     codes: dict[str, str] = {}
-    for name in available_backends():
-        if name == "auto":
+    for name, spec in backends.items():
+        if isinstance(spec, Exception):  # a broken third-party entry point
+            rows.append((name, False, f"cannot load: {spec}", ""))
             continue
-        try:
-            cls = backend_class(name)
-        except Exception as exc:  # a broken third-party entry point
-            rows.append((name, False, f"cannot load: {exc}", ""))
-            continue
-        launch = cls.launcher.usage("-m your.module")
-        reason = unavailable(cls)
+        launch = spec.launcher.usage("-m your.module")
+        reason = unavailable(spec)
         if reason is not None:
             rows.append((name, False, reason, launch))
-        elif cls.probe_code:
-            codes[name] = cls.probe_code
+        elif spec.probe_code:
+            codes[name] = spec.probe_code
             rows.append((name, None, "", launch))
         else:
             rows.append((name, True, "ok", launch))
@@ -151,12 +157,12 @@ def hardware() -> dict[str, Any]:
     }
 
 
-def cluster_lines() -> list[str]:
+def cluster_lines(auto: str) -> list[str]:
     """The cluster environment detected here, why, the world it forms and the
-    backend ``--backend auto`` picks; an environment whose variables do not
+    backend ``--backend auto`` picks (``auto``); an environment whose variables do not
     add up says so instead of a world."""
     env = detect_environment()
-    lines = [f"cluster environment: {env.name} ({env.why()}); --backend auto picks {detect_backend()}"]
+    lines = [f"cluster environment: {env.name} ({env.why()}); --backend auto picks {auto}"]
     try:
         w = env.world()
     except LaunchError as exc:
@@ -170,7 +176,8 @@ def cluster_lines() -> list[str]:
     ]
 
 
-def main() -> int:
+def main(backends: Described, auto: str) -> int:
+    """``python -m parallelx env``: versions, devices, the cluster environment, and each backend's probe."""
     print(f"python      {platform.python_version()} ({platform.machine()})")
     print(f"torch       {torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
     try:
@@ -186,10 +193,10 @@ def main() -> int:
         f"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}"
     )
     print()
-    for line in cluster_lines():
+    for line in cluster_lines(auto):
         print(line)
     print("\nbackends:")
-    for name, ok, detail, launch in report():
+    for name, ok, detail, launch in report(backends):
         print(f"  [{'OK' if ok else '--'}] {name:<10} {detail}")
         if launch:
             print(f"       {'':<10} launch: {launch}")

@@ -61,10 +61,13 @@ class Finished:
 
 
 class Runnable(Protocol):
-    """What :func:`unavailable` reads: a backend class, or a stand-in for a framework that is not one."""
+    """What :func:`unavailable` reads: a backend's description (:class:`parallelx.strategy.BackendSpec`),
+    or a stand-in for a framework that is not one."""
 
-    launcher: Launcher
-    install_hint: str
+    @property
+    def launcher(self) -> Launcher: ...
+    @property
+    def install_hint(self) -> str: ...
 
     def unavailable_reason(self) -> str | None: ...
 

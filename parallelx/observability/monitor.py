@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,10 +44,34 @@ from parallelx.observability.profiling import StepProfiler
 from parallelx.observability.throughput import StepMeter, combine, peak_flops
 from parallelx.observability.trackers.catalog import check_available, tracker_class
 from parallelx.observability.trackers.tracker import Tracker, flat_params
+from parallelx.parts.collectives import Collectives
+from parallelx.parts.loop import LoopOptions
 from parallelx.settings import check_op
 
-if TYPE_CHECKING:
-    from parallelx.backend import Backend
+
+class World(Protocol):
+    """Where the watched process stands (:class:`parallelx.strategy.Joined` is one)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> Collectives: ...
+
+
+class WatchedRun(Protocol):
+    """What the monitor reads of the run it watches (:class:`parallelx.strategy.Run` is one): it holds
+    the run's record, never the facade."""
+
+    name: str
+    options: LoopOptions
+
+    @property
+    def joined(self) -> World | None: ...
+
 
 #: How long shutdown waits for the writer thread to write what is left and close the trackers.
 CLOSE_TIMEOUT_S = 120.0
@@ -72,8 +96,8 @@ class _Entry:
 class Monitor:
     """Trackers, throughput and profiles of one backend (see the module's docstring)."""
 
-    def __init__(self, backend: Backend, options: MonitorOptions) -> None:
-        self.backend = backend
+    def __init__(self, run: WatchedRun, options: MonitorOptions) -> None:
+        self.run = run
         self.options = options
         check_available(options.loggers)  # a missing package fails here, at start-up, with its pip command
         self.active = options.active
@@ -107,19 +131,26 @@ class Monitor:
             self._run_dir = path
         return self._run_dir
 
+    @property
+    def _world(self) -> World:
+        joined = self.run.joined
+        if joined is None:
+            raise ParallelxError("the monitor needs an initialised backend: call it inside `with backend:`")
+        return joined
+
     # ------------------------------------------------------------ logging
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None, reduce: Reduce = None) -> None:
         """See :meth:`parallelx.Backend.log_metrics`."""
         if not self.options.loggers:
             return
-        if not self.backend.initialized:
+        if self.run.joined is None:
             raise ParallelxError(
                 "log_metrics needs an initialised backend (it writes on rank 0 only): call it inside `with backend:`"
             )
         if not isinstance(metrics, Mapping):
             raise ParallelxError(f"log_metrics takes a dict of name -> value, got {type(metrics).__name__}")
         ops = _reduce_ops(metrics, reduce)
-        main = self.backend.rank == 0
+        main = self._world.rank == 0
         names: list[str] = []
         values: list[float] = []
         kept_ops: list[str | None] = []
@@ -177,10 +208,10 @@ class Monitor:
                 self._writer.raise_error()
             return
         _read_device_values(entries)
-        dropped = _reduce(entries, self.backend, failed=failed)
+        dropped = _reduce(entries, self._world, failed=failed)
         if dropped:
             warn(f"{dropped} logged value(s) to be reduced across ranks were not written: the run failed first")
-        if self.backend.rank == 0:
+        if self._world.rank == 0:
             batch = [
                 (e.step, e.wall_time, {n: v for n, v, op in zip(e.names, e.values, e.ops) if op != _DROPPED})
                 for e in entries
@@ -204,12 +235,12 @@ class Monitor:
         return self._writer
 
     def _all_hyperparams(self) -> dict[str, Any]:
-        b = self.backend
+        w = self._world
         own = {
-            "backend": b.name,
-            "world_size": b.world_size,
-            "device": str(b.device),
-            **{f"loop/{k}": v for k, v in dataclasses.asdict(b.options).items()},
+            "backend": self.run.name,
+            "world_size": w.world_size,
+            "device": str(w.device),
+            **{f"loop/{k}": v for k, v in dataclasses.asdict(self.run.options).items()},
             **{f"monitor/{k}": v for k, v in dataclasses.asdict(self.options).items()},
         }
         return {**flat_params({"parallelx": own}), **self._hyperparams}
@@ -218,20 +249,20 @@ class Monitor:
     def _start(self) -> None:
         """At the first pass (every rank, after init): the meter, the profiler, the trackers."""
         self._started = True
-        b, o = self.backend, self.options
+        b, o = self._world, self.options
         if o.profile_steps is not None and o.log_dir is None and b.world_size > 1:
             # Every rank writes its trace into rank 0's (time-stamped) directory.
-            shared = b.broadcast(str(self.run_dir) if b.rank == 0 else None, src=0)
+            shared = b.comm.broadcast(str(self.run_dir) if b.rank == 0 else None, src=0)
             assert shared is not None  # rank 0 sent its directory
             self._run_dir = Path(shared)
         if o.measures_throughput:
-            peak, why = peak_flops(b.device, b.options.precision, o.peak_tflops)
+            peak, why = peak_flops(b.device, self.run.options.precision, o.peak_tflops)
             if peak is None and (o.count_flops or o.flops_per_sample):
                 warn(f"MFU is not reported: {why}")
             self.meter = StepMeter(
                 b.device,
                 world_size=b.world_size,
-                reduce_sum=lambda t: b.all_reduce(t, "sum") if b.world_size > 1 else t,
+                reduce_sum=lambda t: b.comm.all_reduce(t, "sum") if b.world_size > 1 else t,
                 peak=peak,
                 tokens_per_sample=o.tokens_per_sample,
                 count_flops=o.count_flops and o.flops_per_sample is None,
@@ -291,7 +322,7 @@ class Monitor:
             self._interval()
             self._pass_open = False
             if self.meter is not None:
-                self.last_pass = combine(self._pass_intervals, self.backend.world_size, self.meter.peak)
+                self.last_pass = combine(self._pass_intervals, self._world.world_size, self.meter.peak)
 
     def pass_paused(self) -> None:
         """The pass was left (a ``break``, an error): no collective here; the interval goes on at the next pass."""
@@ -359,7 +390,7 @@ def _read_device_values(entries: list[_Entry]) -> None:
             e.values[slot] = value
 
 
-def _reduce(entries: list[_Entry], backend: Backend, *, failed: bool) -> int:
+def _reduce(entries: list[_Entry], backend: World, *, failed: bool) -> int:
     """Reduce the values asked for across the ranks, one all-reduce per operation.
     Every rank holds the same reduced names in the same order.  Returns how many were dropped (``failed``)."""
     by_op: dict[str, list[tuple[_Entry, int]]] = {}
@@ -378,7 +409,7 @@ def _reduce(entries: list[_Entry], backend: Backend, *, failed: bool) -> int:
         return dropped
     for op in sorted(by_op):
         slots = by_op[op]
-        reduced = backend.all_reduce(
+        reduced = backend.comm.all_reduce(
             torch.tensor([e.values[i] for e, i in slots], dtype=torch.float64), check_op(op)
         ).tolist()
         for (e, i), value in zip(slots, reduced):

@@ -120,6 +120,13 @@ class StepResult:
 BoundaryHook = Callable[[torch.optim.Optimizer], None]
 
 
+class LoopSettings(Protocol):
+    """Where a loop reads the options and the precision in force (:class:`parallelx.strategy.Run`)."""
+
+    options: LoopOptions
+    precision: Precision
+
+
 class StepMarks(Protocol):
     """What the loop tells whoever measures it (:class:`parallelx.observability.Monitor`) of where each step is."""
 
@@ -157,6 +164,25 @@ class NoMarks:
         pass
 
 
+class LoopWatcher:
+    """Watches the loop from outside (``python -m parallelx check``'s probe is one): each method
+    does nothing here.  :meth:`TrainingLoop.add_watcher` attaches one; the loop stays the same object."""
+
+    def view(self, loader: Iterable[Any], limit: int | None) -> tuple[Iterable[Any], int | None, LoopOptions | None]:
+        """The loader, limit and options this pass runs with (the check's one-process reference plays its
+        N ranks' batches in turn); by default unchanged (None: the options in force)."""
+        return loader, limit, None
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """The loss handed to ``backend.backward``, before anything is done to it."""
+
+    def after_backward(self) -> None:
+        """That backward is done."""
+
+    def stepping(self, inside: bool) -> None:
+        """``backend.step`` starts (True) or ends (False)."""
+
+
 class TrainingLoop:
     """The loop's side of a backend: accumulation windows, equal batch counts
     on every rank, the loss divided once per window, and the boundary step,
@@ -168,21 +194,39 @@ class TrainingLoop:
         sync: GradientSync,
         comm: Collectives,
         watch: Watch,
-        options: LoopOptions,
-        precision: Precision,
+        settings: LoopSettings,
         meter: StepMarks | None = None,
     ) -> None:
         self.name = name
         self.sync = sync
         self.comm = comm
         self.watch = watch
-        self.options = options
-        self.precision = precision
+        #: Where the options and the precision in force are held (the run's, shared with its backend).
+        self.settings = settings
+        self._options: LoopOptions | None = None
         #: Where the current micro-batch sits (SINGLE outside batches()).
         self.window: Window = SINGLE
         self._boundary_hooks: list[BoundaryHook] = []
+        self._watchers: list[LoopWatcher] = []
         #: Told where each step is (:class:`parallelx.observability.Monitor`: throughput, profiles, logging intervals).
         self.meter: StepMarks = meter if meter is not None else NoMarks()
+
+    @property
+    def options(self) -> LoopOptions:
+        """The options in force: the run's, unless a pass set its own (the check's one-process world)."""
+        return self._options if self._options is not None else self.settings.options
+
+    @options.setter
+    def options(self, options: LoopOptions | None) -> None:
+        self._options = None if options is None or options is self.settings.options else options
+
+    @property
+    def precision(self) -> Precision:
+        return self.settings.precision
+
+    def add_watcher(self, watcher: LoopWatcher) -> None:
+        """Tell ``watcher`` of each pass, loss, backward and step (see :class:`LoopWatcher`)."""
+        self._watchers.append(watcher)
 
     def add_boundary_hook(self, hook: BoundaryHook) -> Callable[[], None]:
         """Call ``hook(optimizer)`` at every window's end, between the averaging
@@ -194,6 +238,19 @@ class TrainingLoop:
     def batches(self, loader: Iterable[T], limit: int | None = None) -> Iterator[T]:
         if limit is not None and limit < 1:
             raise ParallelxError(f"batches(limit=...) must be >= 1, got {limit}")
+        for watcher in self._watchers:
+            loader, limit, options = watcher.view(loader, limit)
+            if options is not None:
+                saved, self.options = self._options, options
+                try:
+                    yield from self._pass(loader, limit)
+                finally:
+                    if self._options is options:  # (set_options meanwhile wins)
+                        self._options = saved
+                return
+        yield from self._pass(loader, limit)
+
+    def _pass(self, loader: Iterable[T], limit: int | None) -> Iterator[T]:
         n = self._agreed_length(loader, limit)
         size = self.options.accumulate
         meter = self.meter
@@ -272,6 +329,15 @@ class TrainingLoop:
         self.window = SINGLE
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
+        for watcher in self._watchers:
+            watcher.before_backward(loss)
+        try:
+            self._backward(loss, model)
+        finally:
+            for watcher in self._watchers:
+                watcher.after_backward()
+
+    def _backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         window = self.window
         if self.options.accumulate > 1 and not window.managed:
             raise ParallelxError(
@@ -286,6 +352,15 @@ class TrainingLoop:
         self.meter.backward_done()
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
+        for watcher in self._watchers:
+            watcher.stepping(True)
+        try:
+            return self._step(optimizer, scheduler)
+        finally:
+            for watcher in self._watchers:
+                watcher.stepping(False)
+
+    def _step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> StepResult | None:
         if not self.window.boundary:
             return None
         sync = self.sync

@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallelx.backend import Backend
 from parallelx.errors import LaunchError
 from parallelx.launching import network
+from parallelx.launching.environments import ClusterEnvironment
 from parallelx.launching.launchers import free_port
 from parallelx.log import warn
 from parallelx.parts.collectives import Collectives, Watch, no_watch
+from parallelx.strategy import Joined, Strategy
 
 T = TypeVar("T")
 
@@ -155,48 +156,56 @@ class ProcessGroupCollectives(Collectives):
         return [part[:n] for part, n in zip(parts, sizes)]
 
 
-class ProcessGroupBackend(Backend):
+class ProcessGroupStrategy(Strategy):
     """A backend whose processes talk through ``torch.distributed``."""
 
     #: Variables the launcher must have set for ``init_process_group``.
     REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     #: False where the process group was there before init() (a cluster
     #: environment made it): it is that environment's to destroy.
-    _owns_group = False
+    owns_group = False
     #: How this process joined its group over the network (None: adopted, or not yet joined).
-    _net: network.GroupJoin | None = None
+    net: network.GroupJoin | None = None
 
-    def _join_rendezvous(self) -> None:
-        """Pick the device and join the process group of this process's environment.
-        Started without a launcher, run as a world of one process (and say how to
-        launch more), which keeps ``python train.py --backend NAME`` usable for debugging."""
-        assert self.environment is not None
-        if self.environment.name == "local":
+    def join(self) -> Joined:
+        device = self.join_rendezvous()
+        return self.read_world(device)
+
+    def join_rendezvous(self) -> torch.device:
+        """Pick the device and join the process group of this process's environment; returns the device.
+        Started without a launcher, run as a world of one process (and say how to launch more), which
+        keeps ``python train.py --backend NAME`` usable for debugging."""
+        env = self.environment
+        if env.name == "local":
             warn(
                 f"{self.name}: no launcher found, running as a world of 1 process; for N processes start with "
-                f"`{self.launcher.usage()}`"
+                f"`{self.spec.launcher.usage()}`"
             )
             os.environ.update(
                 RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
             )
-        self._local_rank = self.environment.world().local_rank
-        self._device = self._pick_device(self._local_rank)
-        self._init_process_group()
-        self._read_world()
+        device = self.run.pick_device(env.world().local_rank)
+        self.init_process_group(device)
+        return device
 
-    def _init_process_group(self) -> None:
+    @property
+    def environment(self) -> ClusterEnvironment:
+        env = self.run.environment
+        assert env is not None, "the facade detects the environment before join()"
+        return env
+
+    def init_process_group(self, device: torch.device) -> None:
         """Join the default process group of this process's cluster environment,
         or adopt the one that environment already made."""
-        assert self.environment is not None
-        env = self.environment
-        gpus = torch.cuda.device_count() if self.device_request != "cpu" and torch.cuda.is_available() else 0
+        env, run = self.environment, self.run
+        gpus = torch.cuda.device_count() if run.device_request != "cpu" and torch.cuda.is_available() else 0
         env.check_devices(gpus)
-        if dist.is_initialized():  # adopted: _owns_group stays False, the group is left to whoever made it
-            if env.owns_process_group and self.timeout_explicit:
+        if dist.is_initialized():  # adopted: owns_group stays False, the group is left to whoever made it
+            if env.owns_process_group and run.timeout_explicit:
                 where = env.group_timeout or f"{env.name}'s own"
                 warn(
                     f"{self.name}: {env.name} made the process group before this script ran, so its timeout is "
-                    f"not --timeout's {self.timeout_s:g}s but {where}"
+                    f"not --timeout's {run.timeout_s:g}s but {where}"
                 )
             return
         env.export()  # the torch.distributed variables, where the environment names them otherwise
@@ -204,59 +213,64 @@ class ProcessGroupBackend(Backend):
         if missing:
             raise LaunchError(
                 f"{self.name}: the environment lacks {', '.join(missing)}; start the script with "
-                f"`{self.launcher.usage()}`"
+                f"`{self.spec.launcher.usage()}`"
             )
-        timeout = _dt.timedelta(seconds=self.timeout_s)
+        timeout = _dt.timedelta(seconds=run.timeout_s)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self._net = network.GroupJoin(
+        self.net = network.GroupJoin(
             rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout
         )
-        with self._net.rendezvous():
+        with self.net.rendezvous():
             store = restart_store(timeout)
             if store is None:  # what init_process_group's env:// does, with the store in hand
                 store = dist.PrefixStore(
                     "default_pg", next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
                 )
-        self._net.choose_interface(store, os.environ)
-        line = self._net.machine_line()
-        if line and self._local_rank == 0:
+        self.net.choose_interface(store, os.environ)
+        line = self.net.machine_line()
+        if line and env.world().local_rank == 0:
             print(line, flush=True)
-        with self._net.connecting():
+        with self.net.connecting():
             dist.init_process_group(
-                backend=self._dist_backend(), timeout=timeout, store=store, rank=rank, world_size=world_size
+                backend=self.dist_backend(device), timeout=timeout, store=store, rank=rank, world_size=world_size
             )
-        self._owns_group = True
+        self.owns_group = True
 
-    def _dist_backend(self) -> str:
+    def dist_backend(self, device: torch.device) -> str:
         # NCCL for a process that has its own GPU, else Gloo.
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" else "gloo"
 
-    def _read_world(self) -> None:
-        """Rank and world size from the joined group; the processes on this
-        machine from the cluster environment."""
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        assert self.environment is not None
+    def read_world(self, device: torch.device) -> Joined:
+        """Rank and world size from the joined group; the processes on this machine from the cluster environment."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         world = self.environment.world()
-        self._local_world_size = world.local_world_size if world.world_size == self._world_size else 1
-        self.comm = ProcessGroupCollectives(self._rank, self._world_size, self.device, self._watch)
+        return Joined(
+            rank=rank,
+            world_size=world_size,
+            local_rank=world.local_rank,
+            local_world_size=world.local_world_size if world.world_size == world_size else 1,
+            device=device,
+            comm=ProcessGroupCollectives(rank, world_size, device, self.run.watch),
+        )
 
-    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.world_size > 1 and self.device.type == "cuda":
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        world = self.run.world
+        if world.world_size > 1 and world.device.type == "cuda":
             return nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # torch's SyncBatchNorm raises on the CPU in training; the base's reduces through all_reduce.
-        return super()._sync_batchnorm(model)
+        return super().sync_batchnorm(model)
 
-    def _shutdown(self, *, failed: bool) -> None:
-        if failed and self._net is not None and self._owns_group:
+    def shutdown(self, *, failed: bool) -> None:
+        if failed and self.net is not None and self.owns_group:
             # Before the group goes: the machines that no longer answer are named.
-            self._net.report_lost_peers(self.environment)
+            self.net.report_lost_peers(self.run.environment)
         if dist.is_initialized():
             if not failed:
                 # The last collectives may have been synchronous ones whose
                 # handles Python no longer holds (broadcast_object_list, a
                 # checkpoint's agreement): a barrier through wait() keeps them
                 # alive past teardown (see _RECENT_WORK).
-                self.comm.barrier()
-            if self._owns_group:
+                self.run.comm.barrier()
+            if self.owns_group:
                 dist.destroy_process_group()
-                self._owns_group = False
+                self.owns_group = False

@@ -4,20 +4,30 @@ which have nothing to exchange."""
 
 from __future__ import annotations
 
-from parallelx.backend import Backend
+import torch
+
 from parallelx.log import warn
 from parallelx.parts.collectives import LocalCollectives
 from parallelx.parts.loop import LoopOptions
+from parallelx.strategy import Joined, Strategy
 
-__all__ = ["LocalBackend", "LocalCollectives"]
+__all__ = ["LocalCollectives", "SingleProcessStrategy"]
 
 
-class LocalBackend(Backend):
+class SingleProcessStrategy(Strategy):
     """A backend whose whole job is this one process."""
 
-    def _check_options(self, options: LoopOptions) -> None:
+    def join(self) -> Joined:
+        return self.world_of_one(self.run.pick_device(0))
+
+    @staticmethod
+    def world_of_one(device: torch.device) -> Joined:
+        return Joined(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device, comm=LocalCollectives())
+
+    def configure(self, options: LoopOptions) -> LoopOptions:
         if options.grad_compression != "none":
             warn(
                 f"{self.name}: --grad-compression {options.grad_compression} has no effect: one process sends "
                 "no gradients anywhere"
             )
+        return options

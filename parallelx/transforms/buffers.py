@@ -94,27 +94,20 @@ def sync_buffers(modules: Iterable[nn.Module], broadcast: Broadcast) -> None:
 
 
 class BufferSync:
-    """Remembers the models a backend wrapped and, for each optimizer it
-    wraps, broadcasts rank 0's buffers of the models it trains after each step."""
+    """For each optimizer a backend wraps, broadcasts rank 0's buffers of the set-up models it
+    trains after each step (the models are the run's one list of them)."""
 
-    def __init__(self, broadcast: Broadcast) -> None:
+    def __init__(self, broadcast: Broadcast, models: Callable[[], list[nn.Module]]) -> None:
         self._broadcast = broadcast
-        # Weak: an elastic run rebuilds its models; the old ones must be freed.
-        self._models: list[weakref.ref[nn.Module]] = []
-
-    def track(self, module: nn.Module) -> None:
-        self._models.append(weakref.ref(module))
-        self._models = [ref for ref in self._models if ref() is not None]
+        self._models = models
 
     def attach(self, params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Hook ``optimizer`` (built on ``params``) to sync the buffers of the tracked models it trains."""
+        """Hook ``optimizer`` (built on ``params``) to sync the buffers of the set-up models it trains."""
         wanted = {id(p) for p in params}
         owners = [
-            ref
-            for ref in self._models
-            if (m := ref()) is not None
-            and any(id(p) in wanted for p in m.parameters())
-            and any(True for _ in m.buffers())
+            weakref.ref(m)
+            for m in self._models()
+            if any(id(p) in wanted for p in m.parameters()) and any(True for _ in m.buffers())
         ]
         if not owners:
             return

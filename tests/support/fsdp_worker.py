@@ -44,13 +44,13 @@ def unit_report(backend: parallelx.Backend) -> dict:
         ("types", {"shard": [nn.Linear]}),
         ("callable", {"shard": lambda m: isinstance(m, nn.Sequential)}),
     ):
-        backend.shard = options.get("shard")  # type: ignore[attr-defined]  # read at each wrap_model
+        backend.strategy.shard = options.get("shard")  # type: ignore[attr-defined]  # read at each wrap_model
         wrapped = backend.wrap_model(model())
         out[label] = sorted(n or "<root>" for n, m in wrapped.named_modules() if isinstance(m, FSDPModule))
-        out["mesh"] = [backend.mesh.device_type, list(backend.mesh.shape)]
+        out["mesh"] = [backend.strategy.mesh.device_type, list(backend.strategy.mesh.shape)]  # type: ignore[attr-defined]
         out["dtensors"] = all(type(p).__name__ == "DTensor" for p in wrapped.parameters())
         out["local_rows"] = [p.to_local().shape[0] for p in wrapped.parameters()][:2]
-    backend.shard = None  # type: ignore[attr-defined]
+    backend.strategy.shard = None  # type: ignore[attr-defined]
     return out
 
 

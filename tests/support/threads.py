@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from parallelx.backend import Backend
+from parallelx.launching.environments import detect_environment
 from parallelx.parts.collectives import Collectives
+from parallelx.strategy import BackendSpec, Joined, Options, Strategy
 
 
 class Meeting:
@@ -51,31 +53,33 @@ class ThreadCollectives(Collectives):
         return [t.clone() for t in self.meeting.exchange(self.rank, tensor)]
 
 
-class ThreadBackend(Backend):
+class ThreadStrategy(Strategy):
     """A backend whose ranks are threads of this process."""
 
-    name = "threads"
+    spec = BackendSpec(name="threads")
 
-    def __init__(self, meeting: Meeting, rank: int, **options: Any) -> None:
-        super().__init__(device="cpu", verbose=False, **options)
+    def __init__(self, meeting: Meeting, rank: int) -> None:
         self.meeting, self.thread_rank = meeting, rank
 
-    def _init(self) -> None:
-        self._rank = self.thread_rank  # not log.set_rank: that is per process
-        self._world_size = len(self.meeting.slots)
-        self.comm = ThreadCollectives(self.meeting, self.thread_rank)
+    def join(self) -> Joined:
+        world = len(self.meeting.slots)
+        comm = ThreadCollectives(self.meeting, self.thread_rank)
+        return Joined(self.thread_rank, world, self.thread_rank, world, torch.device("cpu"), comm)
 
-    def init(self) -> ThreadBackend:  # no CPU-thread limits or atexit hooks for a thread
-        self._init()
-        self._initialized = True
-        self.loop = self._make_loop()
-        return self
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
 
-def in_threads(world: int, body: Callable[[ThreadBackend], Any]) -> list[Any]:
+def ThreadBackend(meeting: Meeting, rank: int, **options: Any) -> Backend:
+    """The facade over a :class:`ThreadStrategy`: rank ``rank`` of ``meeting``'s world."""
+    return Backend(ThreadStrategy(meeting, rank), Options(device="cpu", verbose=False, environment=THREADS, **options))
+
+
+#: No launcher: the ranks are this process's threads.
+THREADS = detect_environment({}, [])
+
+
+def in_threads(world: int, body: Callable[[Backend], Any]) -> list[Any]:
     """Run ``body(backend)`` on ``world`` thread-ranks; their results by rank (an exception is re-raised)."""
     meeting = Meeting(world)
     results: list[Any] = [None] * world

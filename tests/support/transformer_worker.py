@@ -175,11 +175,11 @@ def section_save(backend: parallelx.Backend, out: Path, rep: dict[str, Any], got
 def section_recompute(backend: parallelx.Backend, out: Path, rep: dict[str, Any]) -> None:
     cfg = Config(dropout=0.1)
     plain = train(backend, cfg)["weights"]
-    backend.activation_checkpointing = True
+    backend.run.activation_checkpointing = True
     try:
         checkpointed = train(backend, cfg)["weights"]
     finally:
-        backend.activation_checkpointing = None
+        backend.run.activation_checkpointing = None
     rep["recompute"] = {
         "equal": all(torch.equal(plain[k], checkpointed[k]) for k in plain),
         "worst": max(rel(checkpointed[k], plain[k]) for k in plain),

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 import parallelx
+from parallelx.backend import OBSERVERS_ENV
 from parallelx.check import probe as checkprobe
 from parallelx.check import world as virtualworld
 from parallelx.check.world import StepsOfN, VirtualWorld
@@ -166,23 +167,27 @@ def test_the_probe_records_a_run_and_the_reference_averages_the_ranks(tmp_path, 
     """The loop form on the reference (one process playing 2 ranks): its step-1 gradients
     are the average of what each rank computes on its batch, and the record says so."""
     threads = torch.get_num_threads()
+    monkeypatch.setenv(OBSERVERS_ENV, "parallelx.check.probe:attach")
     monkeypatch.setenv(checkprobe.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(checkprobe.ENV_STEPS, "50")  # more than the run takes: it ends at shutdown
     monkeypatch.setenv(checkprobe.ENV_RANKS, str(N))
     data = TensorDataset(torch.randn(24, 3, generator=torch.Generator().manual_seed(1)), torch.randn(24, 1))
     try:
-        backend = parallelx.get_backend("single").init()
-        assert backend.world_size == N and backend.probe is not None
+        backend = parallelx.get_backend("single", loggers="csv", log_dir=tmp_path / "logs").init()
+        assert backend.world_size == N and any(isinstance(o, checkprobe.Probe) for o in backend.observers)
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         model, opt = backend.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         loader = DataLoader(data, batch_size=4, sampler=backend.make_sampler(data, seed=5))
+        loop = backend.loop
         for i, (x, y) in enumerate(backend.batches(loader)):
             backend.backward(nn.functional.mse_loss(model(x), y))
             backend.step(opt)
             if i == 3:  # two steps of two virtual ranks
                 break
+        # The probe watches the loop and replaces nothing: the same loop, its marks still the monitor's.
+        assert backend.loop is loop and loop.meter is backend.monitor and backend.monitor.steps == 2
         backend.shutdown()
     finally:
         virtualworld.uninstall()

@@ -14,7 +14,9 @@ from torch import nn
 
 import parallelx
 from parallelx import MetricSums, ShardedSampler, real_mask
+from parallelx.backend import Backend
 from parallelx.errors import ParallelxError, UnknownBackendError
+from parallelx.parts.collectives import LocalCollectives
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,15 +46,19 @@ def test_unknown_backend_message_lists_valid_names():
 
 
 def test_register_a_third_party_backend():
-    from parallelx.backends.single import SingleBackend
+    import dataclasses
 
-    class MyBackend(SingleBackend):
-        name = "mine"
+    from parallelx.backends.single import SingleStrategy
 
-    parallelx.register_backend("mine", MyBackend)
+    class MyStrategy(SingleStrategy):
+        spec = dataclasses.replace(SingleStrategy.spec, name="mine")
+
+    parallelx.register_backend("mine", MyStrategy)
     try:
         assert "mine" in parallelx.available_backends()
-        assert isinstance(parallelx.get_backend("mine"), MyBackend)
+        backend = parallelx.get_backend("mine")
+        assert isinstance(backend, parallelx.Backend) and isinstance(backend.strategy, MyStrategy)
+        assert backend.name == "mine" and parallelx.describe("mine").name == "mine"
     finally:
         parallelx.registry._REGISTERED.pop("mine")
 
@@ -175,23 +181,35 @@ def test_a_backend_missing_a_collective_cannot_be_created():
     with pytest.raises(TypeError, match="abstract"):
         Forgetful(0, 2)
 
-    class NoCollectives(Backend):  # joins a world of 2 but keeps the world-of-one collectives
-        name = "no-collectives"
+    class NoCollectives(parallelx.Strategy):  # joins a world of 2 but keeps the world-of-one collectives
+        spec = parallelx.BackendSpec(name="no-collectives")
 
-        def _init(self) -> None:
-            self._rank, self._world_size = 1, 2
+        def join(self) -> parallelx.Joined:
+            return parallelx.Joined(1, 2, 1, 2, torch.device("cpu"), LocalCollectives())
 
-        def _wrap_model(self, model: nn.Module) -> nn.Module:
+        def wrap_model(self, model: nn.Module) -> nn.Module:
             return model
 
-    with pytest.raises(parallelx.ParallelxError, match="sets self.comm in _init"):
-        NoCollectives(environment=parallelx.launching.environments.detect_environment({}, [])).init()
+    with pytest.raises(parallelx.ParallelxError, match="collectives for rank 0 of 1"):
+        Backend(
+            NoCollectives(), parallelx.Options(environment=parallelx.launching.environments.detect_environment({}, []))
+        ).init()
+
+
+def test_the_facade_is_not_subclassed():
+    """Backend authors write a Strategy; the facade users call is final."""
+    with pytest.raises(ParallelxError, match="Strategy"):
+
+        class Mine(Backend):  # type: ignore[misc]
+            pass
+
+    assert parallelx.get_backend("single").strategy.spec.name == "single"
 
 
 def test_auto_is_a_backend_name_everywhere():
-    cls = parallelx.backend_class("auto")
-    assert cls.name == parallelx.detect_backend()
-    assert parallelx.get_backend("auto").name == cls.name
+    spec = parallelx.describe("auto")
+    assert spec.name == parallelx.detect_backend()
+    assert parallelx.get_backend("auto").name == spec.name
 
 
 def test_add_arguments_and_from_args_build_every_backend():
@@ -202,7 +220,7 @@ def test_add_arguments_and_from_args_build_every_backend():
     # The deepspeed launcher's --local_rank is accepted whichever backend runs.
     args = parser.parse_args(["--backend", "single", "--device", "cpu", "--timeout", "30", "--local_rank=1"])
     backend = parallelx.from_args(args)
-    assert backend.name == "single" and backend.timeout_s == 30 and backend.device_request == "cpu"
+    assert backend.name == "single" and backend.run.timeout_s == 30 and backend.run.device_request == "cpu"
     assert parallelx.from_args(parser.parse_args([])).name == parallelx.detect_backend()
     for bad in (["--timeout", "0"], ["--timeout", "nan"], ["--device", "tpu"], ["--backend", "mpi"]):
         with pytest.raises(SystemExit):
@@ -284,7 +302,8 @@ def test_warnings_are_printed_once_by_the_main_rank(capsys):
 
 
 def test_deepspeed_config_that_changes_the_math_is_named(tmp_path):
-    from parallelx.backends.deepspeed import DeepSpeedBackend
+    def DeepSpeedBackend(**options):
+        return parallelx.get_backend("deepspeed", **options).strategy
 
     b = DeepSpeedBackend()
     assert b.config["gradient_clipping"] == 0.0 and b.math_changes == []

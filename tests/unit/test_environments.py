@@ -295,7 +295,7 @@ def test_more_tasks_per_node_than_gpus_is_one_line_naming_the_numbers():
 
 
 def test_horovod_under_srun_says_how_to_launch_it_instead():
-    backend = parallelx.backend_class("horovod")(environment=Slurm(SRUN, ["t.py"]))
+    backend = parallelx.get_backend("horovod", environment=Slurm(SRUN, ["t.py"]))
     with pytest.raises(LaunchError) as info:
         backend.init()
     message = str(info.value)
@@ -382,8 +382,8 @@ def test_a_ray_train_worker_is_ray_before_torchrun_and_owns_its_group(ray_worker
     env.export(target)
     assert target == {}, "Ray set the variables and made the group"
     for backend in ("ddp", "deepspeed", "fsdp"):
-        assert {"ray", "slurm"} <= set(parallelx.backend_class(backend).environments)
-    assert "ray" not in parallelx.backend_class("horovod").environments, "Ray has dropped Horovod"
+        assert {"ray", "slurm"} <= set(parallelx.describe(backend).environments or ())
+    assert "ray" not in (parallelx.describe("horovod").environments or ()), "Ray has dropped Horovod"
     # Every rank reports each checkpoint; rank 0 with the directory.
     env.checkpoint_saved(tmp_path / "step-00000002", 2)
     context.rank = 0

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Bottom to top: a package (or top-level module) may import its own and lower layers only.
 #: docs/protocol.md's table of the tree follows this list.
 LAYERS: list[set[str]] = [
-    {"errors", "log", "utils", "version"},
+    {"errors", "log", "utils", "version", "_compat"},
     {"settings", "transforms"},  # timeouts, devices; what is done to a model before and around wrapping
     {"launching"},  # where the ranks come from, how processes start, the network
     {"parts"},  # collectives, gradient sync, precision, state in and out, the loop, the sampler, ...
@@ -56,7 +56,7 @@ def layer_of(key: str) -> str:
 
 
 def module_name(key: str) -> str:
-    """``parallelx/parts/loop.py`` -> ``parallelx.parts.loop`` (``backends/x.py`` -> ``parallelx.backends.x``)."""
+    """``parallelx/parts/loop.py`` -> ``parallelx.parts.loop`` (a file of backends/ -> ``parallelx.backends.<name>``)."""
     if key.startswith("backends/"):
         key = "parallelx/" + key
     name = key.removesuffix(".py").replace("/", ".")
