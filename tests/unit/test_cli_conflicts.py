@@ -1,0 +1,193 @@
+"""A script's own options and parallelx's on one parser (parallelx.cli): the
+script's own option wins, parallelx says which of its options it left and how
+to reach them (a prefix), every on/off flag takes an explicit value
+(nanoGPT's ``--compile=True``), and what the backend's constructor receives."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+import parallelx
+from parallelx import cli
+from parallelx.errors import ParallelxError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """What from_args hands get_backend: (name, keyword options) per call; the backend is still built."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    real = cli.get_backend
+
+    def spy(name: str, **options: Any) -> parallelx.Backend:
+        calls.append((name, options))
+        return real(name, **options)
+
+    monkeypatch.setattr(cli, "get_backend", spy)
+    return calls
+
+
+def script_parser() -> argparse.ArgumentParser:
+    """A torchvision/nanoGPT-style script: its own --backend (meaning something else), --device and --compile."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="inductor", help="the script's torch.compile backend")
+    parser.add_argument("--device", default="cuda", help="the script's device string")
+    parser.add_argument("--compile", type=lambda s: s == "True", default=False, help="nanoGPT's style")
+    parser.add_argument("--clip-grad-norm", type=float, default=None)
+    parser.add_argument("--batch-size", type=int, default=8)
+    return parser
+
+
+def test_the_scripts_own_options_win_and_the_backend_gets_parallelx_defaults(built, capsys):
+    parser = script_parser()
+    assert parallelx.add_arguments(parser) is parser  # no "conflicting option string"
+    args = parser.parse_args(
+        [
+            "--backend",
+            "aot_eager",
+            "--device",
+            "cuda:1",
+            "--compile=True",
+            "--clip-grad-norm",
+            "5",
+            "--precision",
+            "bf16-mixed",
+        ]
+    )
+    # The script's values land in the script's dests.
+    assert (args.backend, args.device, args.compile, args.clip_grad_norm) == ("aot_eager", "cuda:1", True, 5.0)
+    assert args.precision == "bf16-mixed" and args.batch_size == 8  # parallelx's option that did not clash
+    # Single (the script's --backend is not read): auto would follow the launcher, so build "single" by default.
+    parser2 = script_parser()
+    parallelx.add_arguments(parser2, "single")
+    backend = parallelx.from_args(parser2.parse_args(["--device", "cuda:1", "--compile=True", "--clip-grad-norm", "5"]))
+    name, options = built[-1]
+    assert name == "single" and backend.name == "single"
+    # None of the script's --device, --compile, --clip-grad-norm configured the backend.
+    assert "device" not in options and "compile" not in options and "clip_grad_norm" not in options
+    assert backend.options.clip_grad_norm is None
+    err = capsys.readouterr().err
+    assert (
+        "parallelx: warning: the script's own --backend, --device, --clip-grad-norm, --compile are the script's" in err
+    )
+    assert 'prefix="px-"' in err and "--px-device" in err and "--px-compile" in err
+    # Said once.
+    parallelx.from_args(parser2.parse_args([]))
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_the_default_backend_argument_is_the_skipped_backends_value(built):
+    parser = script_parser()
+    parallelx.add_arguments(parser, "single")
+    args = parser.parse_args(["--backend", "ddp"])  # the script's: not parallelx's ddp
+    parallelx.from_args(args)
+    assert built[-1][0] == "single"
+
+
+def test_a_prefix_lets_both_coexist(built):
+    parser = script_parser()
+    parallelx.add_arguments(parser, prefix="px-")
+    help_text = parser.format_help()
+    assert "--px-backend" in help_text and "--px-zero-stage" in help_text and "--px-fsdp-shard" in help_text
+    assert "\nparallelx:\n" in help_text  # the group's title
+    args = parser.parse_args(
+        ["--backend", "aot_eager", "--device", "cuda:1", "--compile=True", "--px-backend", "single", "--px-compile"]
+        + ["--px-clip-grad-norm", "2", "--clip-grad-norm", "7", "--px-fsdp-sharded-checkpoints=yes", "--local_rank=0"]
+    )
+    assert (args.backend, args.device, args.compile, args.clip_grad_norm) == ("aot_eager", "cuda:1", True, 7.0)
+    assert (args.px_backend, args.px_device, args.px_compile, args.px_clip_grad_norm) == ("single", "auto", True, 2.0)
+    assert args.px_fsdp_sharded_checkpoints is True and args.local_rank == 0  # a launcher's flag keeps its name
+    backend = parallelx.from_args(args, prefix="px-")
+    name, options = built[-1]
+    assert name == "single" and options["compile"] is True and options["clip_grad_norm"] == 2.0
+    assert "device" not in options and backend.options.clip_grad_norm == 2.0
+    assert parallelx.from_args(args).name == "single"  # the namespace knows its prefix
+    with pytest.raises(ParallelxError, match="prefix 'px-'"):
+        parallelx.from_args(args, prefix="pl-")
+
+
+def test_backends_own_options_follow_the_same_rule(built):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero-stage", default="three")  # the script's own
+    parallelx.add_arguments(parser)
+    args = parser.parse_args(["--backend", "single", "--zero-stage", "x", "--fsdp-no-reshard-after-forward=true"])
+    assert args.zero_stage == "x" and args.fsdp_no_reshard_after_forward is True
+    ours = cli.parallelx_args(args)
+    assert ours.zero_stage is None and ours.fsdp_no_reshard_after_forward is True
+    assert args._parallelx.skipped().keys() == {"zero_stage"}
+
+
+def test_a_dest_the_script_uses_is_also_left_to_it():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dev", dest="device", default="cuda:0")
+    parallelx.add_arguments(parser)
+    assert "--device" not in parser.format_help()
+    args = parser.parse_args(["--dev", "cuda:3"])
+    assert args.device == "cuda:3" and cli.parallelx_args(args).device == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "value"),
+    [
+        ([], False),
+        (["--compile"], True),
+        (["--compile=True"], True),
+        (["--compile=true"], True),
+        (["--compile=1"], True),
+        (["--compile=yes"], True),
+        (["--compile=False"], False),
+        (["--compile=false"], False),
+        (["--compile=0"], False),
+        (["--compile", "no"], False),
+        (["--compile=max-autotune"], "max-autotune"),
+    ],
+)
+def test_compile_is_a_flag_that_takes_a_value(built, argv, value):
+    parser = parallelx.add_arguments(argparse.ArgumentParser(), "single")
+    args = parser.parse_args(argv)
+    assert args.compile == value
+    parallelx.from_args(args)
+    assert built[-1][1].get("compile", False) == value  # --compile=MODE is --compile-mode MODE
+
+
+def test_every_on_off_flag_takes_a_value_and_a_bad_one_fails(capsys):
+    parser = parallelx.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--cpu-offload=no", "--memory-snapshot=on", "--fsdp-sharded-checkpoints", "--compile=off"]
+    )
+    assert (args.cpu_offload, args.memory_snapshot, args.fsdp_sharded_checkpoints, args.compile) == (
+        False,
+        True,
+        True,
+        False,
+    )
+    for bad in ("--compile=maybe", "--cpu-offload=2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([bad])
+    assert "expected" in capsys.readouterr().err
+    with pytest.raises(ParallelxError, match="two modes"):
+        cli.parallelx_args(parser.parse_args(["--compile=max-autotune", "--compile-mode", "default"]))
+
+
+def test_the_record_is_plain_data_and_a_second_call_adds_nothing():
+    parser = parallelx.add_arguments(argparse.ArgumentParser(), title="distributed")
+    assert "\ndistributed:\n" in parser.format_help()
+    parallelx.add_arguments(parser)  # no conflicts with its own options, nothing skipped
+    args = parser.parse_args([])
+    assert not args._parallelx.skipped()
+    json.dumps(vars(args))  # a script that saves its arguments still can
+    assert "_parallelx=<parallelx options" in repr(args)
+    with pytest.raises(ParallelxError, match="one prefix"):
+        parallelx.add_arguments(parser, prefix="px-")
+
+
+def test_a_namespace_made_by_hand_still_works(built):
+    parallelx.from_args(argparse.Namespace(backend="single", device="cpu"))
+    assert built[-1] == ("single", {"device": "cpu", "monitor": built[-1][1]["monitor"]})
+    parallelx.from_args(argparse.Namespace(px_backend="single", px_accumulate=2, backend="x"), prefix="px-")
+    assert built[-1][0] == "single" and built[-1][1]["accumulate"] == 2
