@@ -266,7 +266,7 @@ def run_case(backend: str, setting: str, args: argparse.Namespace, work: Path) -
         *(["--pair"] if setting != "none" else []),
     ]
     done = runner.launch(
-        parallelx.backend_class(backend).launcher,
+        parallelx.describe(backend).launcher,
         target,
         args.nproc,
         timeout=args.launch_timeout,

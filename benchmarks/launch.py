@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def unavailable(family: str) -> str | None:
     """Why ``family`` cannot run here (None when it can), without importing its package."""
-    return runner.unavailable(parallelx.backend_class(family))
+    return runner.unavailable(parallelx.describe(family))
 
 
 def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
@@ -50,7 +50,7 @@ def run_job(job: Job, machine: Machine, work: Path, timeout_s: float) -> None:
     }
     begin = time.monotonic()
     done = runner.launch(
-        parallelx.backend_class(impl.family).launcher,
+        parallelx.describe(impl.family).launcher,
         ["-m", impl.module, *impl.args, "--plan", str(plan_file), *job.extra_args],
         job.nproc,
         timeout=timeout_s,

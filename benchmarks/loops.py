@@ -75,7 +75,7 @@ def schedule(args: argparse.Namespace, machine: plan.Machine, configs: list[str]
     for r in range(args.repeats):
         for name in configs[r % len(configs) :] + configs[: r % len(configs)]:
             # A backend whose launcher starts one process (single) gets all the cores and the global micro-batch.
-            one = not parallelx.backend_class(CONFIGS[name].backend).launcher.multi_process
+            one = not parallelx.describe(CONFIGS[name].backend).launcher.multi_process
             case = Case(
                 model="vgg16",
                 batch=args.batch * (machine.nproc if one else 1),

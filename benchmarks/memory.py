@@ -150,7 +150,7 @@ def run_case(name: str, nproc: int, args: argparse.Namespace, work: Path) -> lis
         *(["--precision", args.precision] if args.precision else []),
     ]
     done = runner.launch(
-        parallelx.backend_class(backend).launcher,
+        parallelx.describe(backend).launcher,
         target,
         nproc,
         timeout=args.launch_timeout,

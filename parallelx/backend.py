@@ -14,7 +14,7 @@ precision                 autocast, loss scale, skipped steps             ``back
 state in and out          whole or sharded model and optimizer state     ``backend.state_io``
 the loop                  windows, equal batch counts, the boundary step  ``backend.loop``
 environment               where the ranks come from                       ``backend.environment``
-watchdog                  ends a rank whose peer stalled                  ``backend.watchdog``
+watchdog                  ends a rank whose peer stalled                  ``backend.run.watchdog``
 elastic                   runs again in a new world after a lost rank     ``backend.elastic``
 monitor                   trackers, throughput and MFU, profiles          ``backend.monitor``
 ========================  ==============================================  ===========================
@@ -61,7 +61,7 @@ from parallelx.settings import (  # noqa: F401  (DEFAULT_TIMEOUT_S, DEVICES, RED
     default_timeout,
     limit_cpu_threads,
 )
-from parallelx.strategy import BackendSpec, Options, Run, Strategy, unwrap
+from parallelx.strategy import Options, Run, Strategy, unwrap
 from parallelx.transforms import activations, buffers
 from parallelx.transforms.compiling import CompileOptions, uncompiled
 from parallelx.utils import has_batchnorm
@@ -187,11 +187,6 @@ class Backend:
         return self.strategy.spec.name
 
     @property
-    def spec(self) -> BackendSpec:
-        """The backend as the registry describes it (launcher, environments, install hint)."""
-        return self.strategy.spec
-
-    @property
     def rank(self) -> int:
         """Global rank of this process among the data-parallel processes."""
         return self.run.joined.rank if self.run.joined is not None else 0
@@ -231,10 +226,6 @@ class Backend:
     def environment(self) -> ClusterEnvironment | None:
         """Where this process's rank and world come from: given, or detected by init()."""
         return self.run.environment
-
-    @property
-    def watchdog(self) -> Watchdog | None:
-        return self.run.watchdog
 
     @property
     def options(self) -> LoopOptions:
@@ -278,7 +269,7 @@ class Backend:
         Returns the backend, so ``backend = get_backend("ddp").init()`` reads well."""
         if self.initialized:
             return self
-        run, spec = self.run, self.spec
+        run, spec = self.run, self.strategy.spec
         env = run.environment = run.environment or detect_environment()
         if spec.environments is not None and env.name not in spec.environments:
             raise LaunchError(

@@ -229,11 +229,11 @@ class Check:
 
     def launch(self, backend: str, target: list[str], *, timeout_s: float, log_name: str) -> Finished:
         """``target`` under ``backend``'s launcher, one process per GPU (one for the in-process backends)."""
-        from parallelx import backend_class
+        from parallelx import describe
         from parallelx.launching import runner
 
         return runner.launch(
-            backend_class(backend).launcher,
+            describe(backend).launcher,
             target,
             self.nproc,
             timeout=timeout_s,
@@ -245,13 +245,13 @@ class Check:
     def launched(self, backend: str, target: list[str], *, cap: float, log_name: str) -> Finished:
         """:meth:`launch` with the step's timeout; a backend that cannot run skips the step, a failed launch
         fails it with its output."""
-        from parallelx import backend_class
+        from parallelx import describe
 
         if (why := unavailable(backend)) is not None:
             raise Skip(why)
         done = self.launch(backend, target, timeout_s=self.timeout(cap), log_name=log_name)
         if done.error():
-            raise Fail(f"{backend_class(backend).launcher.name} {done.error()}", log=done.output)
+            raise Fail(f"{describe(backend).launcher.name} {done.error()}", log=done.output)
         return done
 
     def remaining(self) -> float:
@@ -406,8 +406,8 @@ def unavailable(backend: str) -> str | None:
     """Why ``backend`` cannot run here (None when it can), without importing its package."""
     import importlib
 
-    from parallelx import backend_class
+    from parallelx import describe
     from parallelx.launching import runner
 
     importlib.invalidate_caches()  # Horovod may have been installed since the last look
-    return runner.unavailable(backend_class(backend))
+    return runner.unavailable(describe(backend))

@@ -286,7 +286,7 @@ class GpuCheck(Check):
 
         import parallelx
 
-        world = self.nproc if parallelx.backend_class(backend).launcher.multi_process else 1
+        world = self.nproc if parallelx.describe(backend).launcher.multi_process else 1
         out = self.work / "runs" / f"{recipe}-{backend}"
         shutil.rmtree(out, ignore_errors=True)
         extra = self.settings.cifar_args if recipe == "cifar10" else self.settings.dogcat_args
@@ -328,7 +328,7 @@ class GpuCheck(Check):
             "images_per_s": metrics.get("train_images_per_s"),
             "launch_s": done.seconds,
         }
-        how = f"{parallelx.backend_class(backend).launcher.name}, {world} process{'es' if world > 1 else ''}"
+        how = f"{parallelx.describe(backend).launcher.name}, {world} process{'es' if world > 1 else ''}"
         if backend == "dp":
             gpus = torch.cuda.device_count() if self.cuda else 0
             how = (
@@ -600,7 +600,7 @@ class GpuCheck(Check):
         import parallelx
 
         s = self.settings
-        n = self.nproc if parallelx.backend_class(backend).launcher.multi_process else 1
+        n = self.nproc if parallelx.describe(backend).launcher.multi_process else 1
         out, plan_file = self.work / f"sync-{backend}", self.work / f"sync-{backend}.json"
         shutil.rmtree(out, ignore_errors=True)
         warmup, short, long = s.sync_steps

@@ -41,7 +41,7 @@ def plan(backend: str, out: Path) -> Plan:
 
 @pytest.mark.parametrize("backend", ["ddp", "horovod", "deepspeed"])
 def test_parallelx_trains_the_same_weights_as_the_plain_framework(backend, tmp_path, record_property):
-    launcher = parallelx.backend_class(backend).launcher
+    launcher = parallelx.describe(backend).launcher
     require_launcher(launcher.name)
     out, plan_file = tmp_path / "out", tmp_path / "plan.json"
     plan(backend, out).dump(plan_file)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallelx import backend_class
+from parallelx import describe
 from parallelx.launching import runner
 from parallelx.launching.launchers import Launcher
 
@@ -55,7 +55,7 @@ def backend_cases(*names: str) -> dict[str, tuple[str, str, list[str]]]:
 
 
 def launcher_for(launcher: str) -> Launcher:
-    return backend_class(_BY_LAUNCHER[launcher]).launcher
+    return describe(_BY_LAUNCHER[launcher]).launcher
 
 
 def launch(

@@ -99,7 +99,7 @@ def test_launch_command_comes_from_the_backends_declaration(capsys):
     for name in ("ddp", "horovod", "deepspeed", "single"):
         capsys.readouterr()
         assert main(["launch", name, "-n", "3", "--dry-run", "--", "-m", "recipes.cifar10", "--epochs", "1"]) == 0
-        expected = parallelx.backend_class(name).launcher.command(
+        expected = parallelx.describe(name).launcher.command(
             ["-m", "recipes.cifar10", "--epochs", "1", "--backend", name], 3 if name != "single" else 1, port=1
         )
         got = capsys.readouterr().out.split()

@@ -125,9 +125,9 @@ PROBE = """
 import parallelx
 from parallelx.launching.envreport import cluster_lines
 from parallelx.errors import LaunchError
-print(*cluster_lines(), sep="\\n")
+print(*cluster_lines(parallelx.detect_backend()), sep="\\n")
 try:
-    parallelx.backend_class("horovod")().init()
+    parallelx.get_backend("horovod").init()
 except LaunchError as exc:
     print("horovod:", exc)
 """

@@ -338,3 +338,28 @@ def test_no_backend_name_branches_outside_backends():
                 if pattern.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     assert not offenders, "backend knowledge belongs in backends/:\n" + "\n".join(offenders)
+
+
+def test_is_main_means_rank_0_as_a_property_and_as_a_call():
+    """`if backend.is_main:` was always true (a bound method): every rank printed."""
+    from threads import in_threads
+
+    seen = in_threads(2, lambda b: (bool(b.is_main), b.is_main(), b.is_main == (b.rank == 0), bool(b.is_local_main)))
+    assert seen == [(True, True, True, True), (False, False, True, False)]
+    with parallelx.get_backend("single", device="cpu") as backend:
+        assert backend.is_main and backend.is_main() and backend.is_local_main()
+
+
+def test_batches_have_the_loaders_length():
+    """A progress bar or a logger sizes itself from len(backend.batches(loader))."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(10)), batch_size=3)
+    with parallelx.get_backend("single", device="cpu") as backend:
+        batches = backend.batches(loader)
+        assert len(batches) == 4 and len(list(batches)) == 4
+        assert len(backend.batches(loader, limit=2)) == 2 and len(list(backend.batches(loader, limit=2))) == 2
+        unsized = backend.batches(b for b in loader)
+        with pytest.raises(TypeError, match="no length"):
+            len(unsized)
+        assert len(list(unsized)) == 4
