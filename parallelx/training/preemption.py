@@ -13,6 +13,8 @@ checkpoint; one that finishes its step, saves and exits loses nothing::
                 save_training_state(backend, run_dir, ...)
                 break
 
+:class:`parallelx.Checkpointer` does this (and the saving and resuming) for a loop.
+
 The signal only sets a flag (the handler runs between two Python
 statements, never inside a collective); :meth:`Preemption.should_stop`
 all-reduces that flag, so the ranks agree even when the signal reached only
@@ -66,6 +68,12 @@ class Preemption:
         if not self.requested:
             self.requested, self.requested_at = True, time.monotonic()
             self.signal = signal.Signals(signum)
+
+    @property
+    def reason(self) -> str:
+        """Why the loop stops, in words, for the line that says so: this
+        process's signal, or a request that reached another rank only."""
+        return self.signal.name if self.signal is not None else "a stop request on another rank"
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)
