@@ -11,6 +11,7 @@ Importing parallelx imports neither horovod nor deepspeed.
 
 from parallelx import _compat  # noqa: F401  (the old module paths of 0.3, for one release)
 from parallelx.backend import Backend, ReduceOp
+from parallelx.checkpoints.checkpointer import Checkpointer
 from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
 from parallelx.cli import add_arguments, exit_on_error, from_args
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError, UnknownBackendError
@@ -38,6 +39,7 @@ __all__ = [
     "Backend",
     "BackendSpec",
     "BackendUnavailableError",
+    "Checkpointer",
     "Joined",
     "LaunchError",
     "Launcher",
