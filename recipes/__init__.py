@@ -8,10 +8,12 @@ From a checkout of the repository::
     deepspeed --num_gpus 2 recipes/dogcat.py --backend deepspeed
     torchrun --nproc-per-node 2 -m recipes.gpt --backend ddp
 
-Each recipe's training loop is in its own file (``train`` in ``cifar10.py``,
-``dogcat.py``, ``gpt.py``); the shared modules hold the command line
-(``common.py``), the data and loaders (``data.py``, ``make_data.py``), the
-models (``models.py``) and the files written at the end (``history.py``).
+The training loops: ``train`` in ``classify.py`` (the image recipes', which
+``cifar10.py`` and ``dogcat.py`` call with their model) and in ``gpt.py``; the
+checkpoints and resuming are a ``parallelx.Checkpointer``'s.  The shared modules
+hold the command line (``common.py``), the data and loaders (``data.py``,
+``make_data.py``), the models (``models.py``) and the files written at the end
+(``history.py``).
 
 Installed, the same modules are ``parallelx.recipes`` (``python -m
 parallelx.recipes.cifar10``).  Inside the package every import is relative, so

@@ -1,7 +1,7 @@
 """The command line shared by the recipes, the checks that run before any
 data is read or any process group is joined, and what the options mean:
-the learning-rate schedule (:func:`make_scheduler`) and the checkpoint that
-``--resume`` names (:func:`find_checkpoint`, :func:`recipe_state`).
+the learning-rate schedule (:func:`make_scheduler`) and ``--resume``
+(:func:`resume`, over :class:`parallelx.Checkpointer`).
 
 Every option a user can get wrong fails here with one line on stderr,
 ``error: ...``, and exit status 2: the numbers through argparse ``type=``
@@ -25,7 +25,6 @@ from typing import Any, NoReturn
 import torch
 
 import parallelx
-from parallelx import Backend
 from parallelx.errors import ParallelxError
 
 #: Seeds are used as ``seed + epoch`` and ``seed + 1000 * rank`` too; NumPy's
@@ -236,74 +235,15 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def find_checkpoint(backend: Backend, resume: str | None, out_dir: Path) -> Path | None:
-    """The checkpoint ``--resume`` names, decided by rank 0 so that every rank
-    loads the same one (a collective).  None for a fresh start: no ``--resume``,
-    or ``auto`` with no checkpoint in ``out_dir`` yet (said in one line)."""
-    if resume is None:
-        return None
-    found, error = None, None
-    if backend.is_main():
-        try:
-            path = checkpoint_path(resume, out_dir)
-            found = None if path is None else str(path)
-        except ParallelxError as exc:
-            error = str(exc)
-    found, error = backend.broadcast((found, error), src=0)
-    if error is not None:
-        raise ParallelxError(error)
-    if found is None:
-        backend.print(
-            f"--resume auto: no checkpoint in {out_dir / parallelx.checkpoints.trainstate.SUBDIR} yet; starting from the beginning"
-        )
-        return None
-    return Path(found)
-
-
-def checkpoint_path(resume: str | None, out: Path) -> Path | None:
-    """The checkpoint ``--resume`` names: "auto" is the latest in ``out`` (None
-    when there is none); a path is a checkpoint directory, or a run directory
-    whose latest checkpoint is taken."""
-    if resume == "auto":
-        return parallelx.latest_checkpoint(out)
-    path = Path(str(resume))
-    if (path / parallelx.checkpoints.trainstate.STATE_FILE).is_file():
-        return path
-    latest = parallelx.latest_checkpoint(path) if path.is_dir() else None
-    if latest is None:
+def resume(ckpt: parallelx.Checkpointer, resume: str | None, recipe: str) -> None:
+    """``--resume`` (``auto``, a path, or None): load the checkpoint it names into
+    ``ckpt`` (a collective), refusing one written by another recipe."""
+    ckpt.resume(resume)
+    if ckpt.path is not None and ckpt["recipe"] != recipe:
         raise ParallelxError(
-            f"--resume {path}: no checkpoint there (expected a checkpoint directory holding "
-            f"{parallelx.checkpoints.trainstate.STATE_FILE}, or an --out-dir with "
-            f"{parallelx.checkpoints.trainstate.SUBDIR}/); use --resume auto to start afresh when none exists"
-        )
-    return latest
-
-
-def recipe_state(info: dict[str, Any], path: Path, recipe: str, epochs: int) -> tuple[dict[str, Any], str]:
-    """The loop state a recipe stored in checkpoint ``path`` (``extra=`` of
-    ``save_training_state``; ``info`` is what ``load_training_state`` returned),
-    checked to be this recipe's, and where it continues, in words."""
-    state, meta = info["extra"], info["meta"]
-    if not isinstance(state, dict) or "recipe" not in state or "epoch" not in state:
-        raise ParallelxError(
-            f"checkpoint {path} was not written by a recipe (no loop state in it); "
-            "resume recipes from their own checkpoints"
-        )
-    if state["recipe"] != recipe:
-        raise ParallelxError(
-            f"checkpoint {path} is of the {state['recipe']!r} recipe, this is {recipe!r}; "
+            f"checkpoint {ckpt.path} is of the {ckpt['recipe']!r} recipe, this is {recipe!r}; "
             "resume a run with the recipe that wrote it"
         )
-    if state["epoch"] > epochs:
-        where = f"the end of training (all {epochs} epochs done)"
-    elif state["batches"]:
-        where = f"epoch {state['epoch']}, after micro-batch {state['batches']} of it"
-    else:
-        where = f"the start of epoch {state['epoch']}"
-    where += (
-        f", optimizer step {state['global_step']} (written by {meta['backend']} with {meta['world_size']} process(es))"
-    )
-    return state, where
 
 
 # ------------------------------------------------------------------ validation

@@ -50,7 +50,6 @@ and with ``--checkpoint-every`` or ``--resume``, ``checkpoints/``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -79,7 +78,6 @@ from parallelx import Backend, MetricSums, ParallelxError
 
 from .common import (
     base_parser,
-    find_checkpoint,
     fraction,
     learning_rate,
     make_scheduler,
@@ -87,7 +85,7 @@ from .common import (
     non_negative_int,
     positive_int,
     proportion,
-    recipe_state,
+    resume,
     validate,
 )
 from .data import CharWindows, char_datasets, make_loader, read_text
@@ -240,78 +238,36 @@ def train(
         f"tokens/step={tokens_per_batch * o.accumulate}"
     )
 
-    # The loop's own state, which a checkpoint stores besides the weights: the
-    # epoch in progress and how far it got, its partial sums, the history.
-    state: dict[str, Any] = {
-        "recipe": RECIPE,
-        "epoch": 1,  # the epoch in progress; epochs + 1 when all are done
-        "global_step": 0,
-        "history": [],
-        "best_loss": math.inf,
-        "best_epoch": 0,
-        # the epoch in progress: micro-batches and optimizer steps done, its partial sums
-        "batches": 0,
-        "steps": 0,
-        "skipped": 0,
-        "norm_sum": 0.0,
-        "seconds": 0.0,
-        "train_sums": None,
-    }
-    checkpointing = args.checkpoint_every is not None or args.resume is not None
-    path = find_checkpoint(backend, args.resume, out_dir)
-    if path is not None:
-        info = parallelx.load_training_state(
-            backend, path, model=model, optimizer=optimizer, scheduler=scheduler, sampler=train_sampler
-        )
-        state, where = recipe_state(info, path, RECIPE, args.epochs)
-        backend.print(f"resuming from {path}: {where}")
+    # What a checkpoint holds, by name: the parts, the epoch's sums (leaving the
+    # sampler's padding duplicates out) and figures, and the run's own values.
+    train_sums = MetricSums(train_sampler)  # loss only
+    ckpt = parallelx.Checkpointer(
+        backend,
+        out_dir,
+        every=args.checkpoint_every,
+        keep=args.keep_checkpoints,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=train_sampler,
+        train_sums=train_sums,
+        per_epoch={"skipped": 0, "norm_sum": torch.zeros((), device=backend.device)},
+        recipe=RECIPE,
+        history=[],
+        best_loss=math.inf,
+        best_epoch=0,
+    )
+    resume(ckpt, args.resume, RECIPE)  # --resume: auto, a path, or a fresh start
 
-    def save_checkpoint(consumed: int) -> None:
-        """A training-state checkpoint (a collective): weights, optimizer, schedule, the
-        sampler's position (``consumed`` samples of this rank's pass) and ``state``."""
-        saved = parallelx.save_training_state(
-            backend,
-            out_dir,
-            step=state["global_step"],
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            sampler=train_sampler.state_dict(consumed=consumed),
-            counters={"epoch": state["epoch"], "global_step": state["global_step"]},
-            keep=args.keep_checkpoints,
-            extra=state,
-        )
-        backend.print(
-            f"checkpoint {saved}: epoch {state['epoch']}, micro-batch {state['batches']}, step {state['global_step']}"
-        )
-        backend.elastic_commit()  # an elastic run that loses a rank goes back to this checkpoint
-
-    def preempted() -> None:
-        why = preempt.signal.name if preempt.signal is not None else "a stop request on another rank"
-        backend.print(
-            f"preempted ({why}): checkpoint written at epoch {state['epoch']}, step {state['global_step']}; "
-            "run the same command with --resume auto to continue"
-        )
-        backend.barrier()
-
-    preempt = parallelx.Preemption()  # SIGTERM: every rank saves at the next step, then stops
-    with preempt if checkpointing else contextlib.nullcontext():
-        while state["epoch"] <= args.epochs:
-            epoch = state["epoch"]
+    with ckpt:  # with checkpoints on, SIGTERM: every rank saves at the next step, then stops
+        for epoch in ckpt.epochs(args.epochs):
             backend.print(f"Epoch {epoch}/{args.epochs}\n" + "-" * 10)
 
             # ---- train: this rank's shard (the rest of it, in an epoch a checkpoint cut)
             model.train()
-            train_sums = MetricSums(train_sampler)  # loss only; the sampler's padding duplicates left out
-            if state["train_sums"] is not None:
-                train_sums.load_state_dict(state["train_sums"], backend)
-            norm_sum = torch.tensor(state["norm_sum"], device=backend.device)
-            start, done, seconds = time.perf_counter(), state["batches"], state["seconds"]  # before this pass
-            limit = (
-                len(train_loader) if args.max_steps is None else min(len(train_loader), max(1, args.max_steps - done))
-            )
-            batches = backend.batches(train_loader, limit=limit)  # accumulation windows, as many on every rank
-            bar = tqdm(batches, total=limit, desc=f"train {epoch}", disable=not backend.is_main(), leave=False)
+            start = time.perf_counter()
+            batches = ckpt.batches(train_loader, limit=args.max_steps)  # accumulation windows, as many on every rank
+            bar = tqdm(batches, desc=f"train {epoch}", disable=not backend.is_main(), leave=False)
             for i, (x, y) in enumerate(bar):
                 x, y = x.to(backend.device, non_blocking=True), y.to(backend.device, non_blocking=True)
                 with backend.autocast():
@@ -324,38 +280,25 @@ def train(
                     bar.set_postfix(loss=f"{losses.mean().item():.4f}", tok_s=f"{tokens_s:,.0f}")
                 if result is None:
                     continue
-                state["global_step"] += 1
-                state["steps"] += 1
-                state["skipped"] += int(result.skipped)
-                norm_sum += result.grad_norm.to(norm_sum.device)
+                ckpt["skipped"] += int(result.skipped)
+                ckpt["norm_sum"] += result.grad_norm.to(backend.device)
+                stop = ckpt.step()  # a checkpoint when --checkpoint-every is due or on a preemption
                 # To the trackers of --logger (nothing without one): the step's last micro-batch, every rank's mean.
                 backend.log_metrics(
                     {"train/loss": losses.mean().detach(), "lr": optimizer.param_groups[0]["lr"]},
-                    step=state["global_step"],
+                    step=ckpt.global_step,
                     reduce={"train/loss": "mean"},
                 )
-                if not checkpointing or i + 1 == limit:  # the pass's last step: the epoch's checkpoint follows
-                    continue
-                stop = preempt.should_stop(backend)  # a collective: every rank, every step
-                if stop or (args.checkpoint_every and state["global_step"] % args.checkpoint_every == 0):
-                    state.update(
-                        batches=done + i + 1,
-                        norm_sum=float(norm_sum),
-                        seconds=seconds + time.perf_counter() - start,
-                        train_sums=train_sums.state_dict(backend),  # every rank's sums
-                    )
-                    save_checkpoint(consumed=min((i + 1) * args.batch_size, train_sampler.num_samples))
-                if stop:
-                    preempted()
+                if stop:  # preempted: saved on every rank
                     return
             bar.close()
             t = train_sums.compute(backend)  # a collective: the global mean, each window once
-            train_seconds = seconds + time.perf_counter() - start
-            lr, grad_norm = optimizer.param_groups[0]["lr"], float(norm_sum) / max(1, state["steps"])
+            train_seconds = ckpt.epoch_seconds
+            lr, grad_norm = optimizer.param_groups[0]["lr"], float(ckpt["norm_sum"]) / max(1, ckpt.epoch_steps)
             backend.print(
                 f"train loss: {t['loss']:.4f} lr: {lr:.6g} grad norm: {grad_norm:.4f} "
                 f"tokens/s: {t['count'] * args.block_size / train_seconds:,.0f}"
-                + (f" skipped steps: {state['skipped']}" if state["skipped"] else "")
+                + (f" skipped steps: {ckpt['skipped']}" if ckpt["skipped"] else "")
             )
             if not math.isfinite(t["loss"]):  # all-reduced: every rank stops together
                 raise ParallelxError(
@@ -374,8 +317,8 @@ def train(
             val_seconds = time.perf_counter() - start
             backend.print(f"val loss: {v['loss']:.4f} (perplexity {math.exp(v['loss']):.2f})")
 
-            # ---- the epoch's outputs: history, best.pth, a checkpoint
-            state["history"].append(
+            # ---- the epoch's outputs: history, best.pth (the epoch's checkpoint follows, in ckpt.epochs)
+            ckpt["history"].append(
                 {
                     "epoch": epoch,
                     "train_loss": t["loss"],
@@ -385,25 +328,20 @@ def train(
                     "val_tokens_per_s": v["count"] * args.block_size / val_seconds,
                     "lr": lr,
                     "grad_norm": grad_norm,
-                    "optimizer_steps": state["steps"],
-                    "skipped_steps": state["skipped"],
+                    "optimizer_steps": ckpt.epoch_steps,
+                    "skipped_steps": ckpt["skipped"],
                 }
             )
             # The same line to --logger's trackers (nothing without one); "lr" is logged at every step.
-            backend.log_metrics({k: x for k, x in state["history"][-1].items() if k != "lr"}, step=state["global_step"])
+            backend.log_metrics({k: x for k, x in ckpt["history"][-1].items() if k != "lr"}, step=ckpt.global_step)
             # The val loss is all-reduced, so every rank takes this branch together: save is a collective.
-            if v["loss"] < state["best_loss"]:
-                state["best_loss"], state["best_epoch"] = v["loss"], epoch
+            if v["loss"] < ckpt["best_loss"]:
+                ckpt["best_loss"], ckpt["best_epoch"] = v["loss"], epoch
                 backend.save(model, out_dir / "best.pth")
             if backend.is_main():
-                write_history(out_dir, state["history"])
-            state.update(epoch=epoch + 1, batches=0, steps=0, skipped=0, norm_sum=0.0, seconds=0.0, train_sums=None)
-            if checkpointing:
-                # The pass is over (or cut by --max-steps): the next epoch starts at its beginning.
-                save_checkpoint(consumed=train_sampler.num_samples)
-                if preempt.should_stop(backend):
-                    preempted()
-                    return
+                write_history(out_dir, ckpt["history"])
+    if ckpt.preempted:  # at an epoch's end
+        return
 
     backend.save(model, out_dir / "last.pth")  # the weights after the last step, a plain state_dict (collective)
     sample = ""
@@ -414,25 +352,11 @@ def train(
         backend.print(f"sample:\n{sample}\n")
     total = time.perf_counter() - since
     if backend.is_main():
-        history = state["history"]
+        history = ckpt["history"]
         metrics = {
-            "best_val_loss": state["best_loss"],
-            "best_epoch": state["best_epoch"],
-            "final_val_loss": history[-1]["val_loss"],
-            "final_train_loss": history[-1]["train_loss"],
-            "total_time_s": total,
-            "backend": backend.name,
-            "world_size": backend.world_size,
-            "train_tokens_per_s": sum(h["train_tokens_per_s"] for h in history) / len(history),
-            "config": {
-                **run_config(args),
-                **{k: getattr(args, k) for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta2")},
-                "data_dir": None if args.data_dir is None else str(args.data_dir),
-                "generated_chars": None if args.data_dir is not None else args.generated_chars,
-                "val_fraction": args.val_fraction,
-            },
-            "loop": asdict(backend.options),
-            "recipe": RECIPE,
+            "best_val_loss": ckpt["best_loss"],
+            "best_epoch": ckpt["best_epoch"],
+            **final_metrics(backend, args, history, total),
             "model": {"name": "GPT", "parameters": parameters, **asdict(config)},
             "vocab": "".join(vocab),
             "sample": sample,
@@ -440,9 +364,32 @@ def train(
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         plot(out_dir / "training_results.png", history)
     backend.print(f"Training complete in {int(total // 60)}m {int(total % 60)}s")
-    backend.print(f"Best val loss: {state['best_loss']:.4f} (epoch {state['best_epoch']})")
+    backend.print(f"Best val loss: {ckpt['best_loss']:.4f} (epoch {ckpt['best_epoch']})")
     backend.print(f"outputs in {out_dir.resolve()}")
     backend.barrier()
+
+
+def final_metrics(
+    backend: Backend, args: argparse.Namespace, history: list[dict[str, Any]], total: float
+) -> dict[str, Any]:
+    """What ``metrics.json`` holds of the run besides the best epoch, the model and the sample."""
+    return {
+        "final_val_loss": history[-1]["val_loss"],
+        "final_train_loss": history[-1]["train_loss"],
+        "total_time_s": total,
+        "backend": backend.name,
+        "world_size": backend.world_size,
+        "train_tokens_per_s": sum(h["train_tokens_per_s"] for h in history) / len(history),
+        "config": {
+            **run_config(args),
+            **{k: getattr(args, k) for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta2")},
+            "data_dir": None if args.data_dir is None else str(args.data_dir),
+            "generated_chars": None if args.data_dir is not None else args.generated_chars,
+            "val_fraction": args.val_fraction,
+        },
+        "loop": asdict(backend.options),
+        "recipe": RECIPE,
+    }
 
 
 @torch.no_grad()
