@@ -66,7 +66,16 @@ OWN = "checkpointer"
 
 
 class Checkpointer:
-    """Training-state checkpoints of a loop, resumed exactly, saved when due or preempted.
+    """Training-state checkpoints of a loop, resumed exactly, saved when due or preempted::
+
+        ckpt = parallelx.Checkpointer(backend, run_dir, every=100, model=model, optimizer=optimizer, sampler=sampler)
+        ckpt.resume("auto")
+        with ckpt:
+            for epoch in ckpt.epochs(10):
+                for x, y in ckpt.batches(loader):
+                    ...
+                    if backend.step(optimizer) is not None and ckpt.step():
+                        return
 
     ``parts`` are given by name: models, optimizers, schedulers (anything with
     ``state_dict``/``load_state_dict``), :class:`~parallelx.ShardedSampler` s
