@@ -296,7 +296,7 @@ class CollectiveCounter:
         return counted
 
     def ignored_group(self) -> Any:
-        lockstep = getattr(self.backend, "_lockstep", None)
+        lockstep = getattr(getattr(self.backend, "strategy", None), "lockstep", None)
         return None if lockstep is None else lockstep.group
 
     def ddp_hook(self) -> Any:
