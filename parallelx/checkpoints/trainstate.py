@@ -226,23 +226,25 @@ def save_training_state(
         sampler_states = {n: _sampler_state(s) for n, s in parts.samplers.items()}
         scheduler_states = {n: checkpoint.to_cpu(s.state_dict()) for n, s in parts.schedulers.items()}
         types = {n: _optimizer_type(o) for n, o in parts.optimizers.items()}
+        one = not parts.named  # the one-model layout: its keys in their order since format 1
+        meta = _metadata(backend, types["optimizer"] if one else None, step)
+        meta["sharded"] = bool(shards) if one else sorted(shards)
+        if not one:
+            meta.update(optimizers=types, pairs=parts.pairs)
         state = {
-            "meta": _metadata(backend, step),
+            "meta": meta,
+            "model": model_states["model"] if one else None,
+            "optimizer": optim_states["optimizer"] if one else None,
+            "scheduler": scheduler_states.get("scheduler") if one else None,
             "scaler": None if scaler is None else checkpoint.to_cpu(scaler.state_dict()),
+            "sampler": sampler_states.get("sampler") if one else None,
             "counters": counters,
             "loader_seed": loader_seed,
             "extra": None if extra is None else plain(extra, "extra"),
         }
-        if parts.named:
-            state["meta"].update(optimizer=None, optimizers=types, pairs=parts.pairs, sharded=sorted(shards))
-            state.update(model=None, optimizer=None, scheduler=None, sampler=None)
+        if not one:
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
-        else:
-            state["meta"].update(optimizer=types["optimizer"], sharded=bool(shards))
-            state["model"], state["optimizer"] = model_states["model"], optim_states["optimizer"]
-            state["scheduler"] = scheduler_states.get("scheduler")
-            state["sampler"] = sampler_states.get("sampler")
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -424,12 +426,13 @@ def _optimizer_type(optimizer: Any) -> str:
     return type(inner).__name__
 
 
-def _metadata(backend: Backend, step: int) -> dict[str, Any]:
+def _metadata(backend: Backend, optimizer_type: str | None, step: int) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "backend": backend.name,
         "world_size": backend.world_size,
         **backend.state_io.checkpoint_meta(),
+        "optimizer": optimizer_type,
         "step": step,
         "torch": str(torch.__version__),
         "parallelx": __version__,
