@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -71,6 +72,13 @@ class DDPStrategy(ProcessGroupStrategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         device = self.run.device
         model = model.to(device)
+        if not any(p.requires_grad for p in model.parameters()):
+            # A frozen model (a teacher, a reference network) has no gradient to average, and DDP refuses it
+            # ("DistributedDataParallel is not needed ..."): rank 0's weights and buffers, as DDP would broadcast.
+            if self.run.world.world_size > 1:
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor.data, src=0)
+            return model
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
