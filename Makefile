@@ -4,12 +4,17 @@ PY := .venv/bin/python
 # them per environment, so two checkouts do not keep rebuilding each other's.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: setup setup-core train test test-scenarios test-all test-fast lint bench docs docs-serve clean
+.PHONY: setup setup-core setup-test train test test-scenarios test-all test-fast lint bench docs docs-serve clean
 
 ## Everything: DeepSpeed, Ray, the trackers, the dev and docs tools, Horovod's build (7 minutes the
 ## first time, then cached).  What the tests, lint, docs and benchmarks need.
 setup:
 	bash scripts/setup.sh all
+
+## As setup, but Horovod's build (minutes on a new machine) runs in the background while the tests
+## that do not need it run; those that do wait for it.
+setup-test:
+	bash scripts/setup.sh test
 
 ## The minimum the DDP demo needs: torch, torchvision and parallelx (no Horovod build).
 setup-core:
@@ -22,8 +27,9 @@ train: setup-core
 ## The test suite: unit, multirank, launcher (every backend under its real launcher), system
 ## (failures, bad inputs, the CLI, torn writes), on two pytest-xdist workers (tests/conftest.py keeps
 ## files that share launches on one worker).  12 to 15 minutes on 2 cores.
-test: setup
-	$(PY) -m pytest -n 2 --durations=30 -m "not scenario" tests/unit tests/multirank tests/launcher tests/system
+test: setup-test
+	PARALLELX_HOROVOD_STATUS=$(CURDIR)/.venv/horovod-build.status \
+		$(PY) -m pytest -n 2 --durations=30 -m "not scenario" tests/unit tests/multirank tests/launcher tests/system
 
 ## The whole scenarios, minutes each: kills, restarts and preemption, stalls, Horovod elastic, Slurm,
 ## Ray, two nodes in network namespaces, the check on client scripts, the benchmarks and the GPU

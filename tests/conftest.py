@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The launch helpers and the workers the launcher tests start.
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
+import horovod_build  # noqa: E402  (from tests/support, just put on the path)
+
 # Variables that a launcher (or a backend's world-of-one fallback) sets.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK")
 
@@ -70,13 +72,40 @@ _LONGEST = (
 
 def _group(nodeid: str) -> str:
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return _SHARED.get(name, name)
+    group = _SHARED.get(name, name)
+    # While Horovod builds in the background, a group's Horovod cases are a group of their own that runs
+    # last (the xdist controller sees node ids only: a case whose id names it).
+    if horovod_build.building() and "horovod" in nodeid.lower():
+        return f"{group}/horovod"
+    return group
+
+
+def _base(group: str) -> str:
+    return group.removesuffix("/horovod")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {g: i for i, g in enumerate(_LONGEST)}
-    # A stable sort: within a group, and among the short ones, the order stays as collected.
-    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
+    if not horovod_build.building():
+        # A stable sort: within a group, and among the short ones, the order stays as collected.
+        items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
+        return
+
+    # Horovod's build runs in the background (make test on a new machine): the Horovod cases' groups go
+    # last, and inside the others a test whose code runs Horovod goes after the group's other tests.  The
+    # order depends on the variable alone, never on the build's progress: every xdist worker collects the same.
+    def key(item: pytest.Item) -> tuple[bool, int, bool]:
+        group = _group(item.nodeid)
+        return group.endswith("/horovod"), rank.get(_base(group), len(rank)), horovod_build.needs_horovod(item)
+
+    items.sort(key=key)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before its fixtures start any launch: a test that needs Horovod waits for its build."""
+    if horovod_build.building() and horovod_build.needs_horovod(item):
+        horovod_build.wait()
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain run may lack

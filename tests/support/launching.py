@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import horovod_build
 import pytest
 import torch
 
@@ -95,6 +96,8 @@ def run_with_grace(
 def require_launcher(launcher: str) -> None:
     """Skip only when the launcher is genuinely not installed (never in CI,
     whose set-up installs all of them)."""
+    if launcher == "horovodrun":
+        horovod_build.wait()  # make test on a new machine builds it in the background
     if launcher_for(launcher).program_path() is None:
         if os.environ.get("CI"):
             pytest.fail(f"{launcher} is not installed; run scripts/setup.sh")
