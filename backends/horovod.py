@@ -6,12 +6,14 @@ Horovod 0.28.1 must be built against the installed torch; see
 ``scripts/build_horovod.py``.  The optimizer is wrapped in
 ``hvd.DistributedOptimizer`` with plain settings, written out below so that
 they are visible: gradients averaged (as DDP does), no compression, no
-pre-division, one backward pass per step.  Rank 0's initial parameters (and a
-loaded optimizer state) are broadcast.
+pre-division, and the all-reduce started at ``step`` (``synchronize()``) over
+the gradients of every backward call since the last step.  Rank 0's initial
+parameters (and a loaded optimizer state) are broadcast.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -33,6 +35,8 @@ from parallelx.strategy import BackendSpec, Joined, Strategy
 from parallelx.transforms.batchnorm import convert_batchnorm
 
 T = TypeVar("T")
+#: Horovod's ``backward_passes_per_step``: more backward passes than any step takes.
+NEVER = 2**62
 INSTALL_HINT = "build and install it with `python scripts/build_horovod.py` (Horovod 0.28.1 patched for current torch)"
 
 HOROVODRUN = Launcher(
@@ -193,16 +197,27 @@ class HorovodStrategy(Strategy):
         names = parameter_names(self.wrapped)
         named = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.run.options.grad_compression]
-        # backward_passes_per_step: the all-reduce fires on the window's last
-        # backward; a shorter last window is completed by synchronize() in step().
+        # backward_passes_per_step: never reached, so that no all-reduce fires in
+        # a backward; synchronize() in step() all-reduces the summed gradients.
+        # A window's backward count is not known ahead (several backward calls
+        # per micro-batch, a loss through another model's parameters), and a
+        # gradient added after its all-reduce has started would be lost or
+        # trip Horovod's own assertion ("Gradients were computed more than
+        # backward_passes_per_step times").  The cost: the all-reduce no longer
+        # overlaps the backward.
         dist_opt = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=named,
             op=hvd.Average,
             compression=compression,
-            backward_passes_per_step=self.run.options.accumulate,
+            backward_passes_per_step=NEVER,
             gradient_predivide_factor=1.0,
         )
+        # Horovod's zero_grad() refuses to run between a backward and step()
+        # (an all-reduce might be in flight); here none ever is, so zeroing
+        # gradients that a loss put there (another model's, through this one)
+        # only forgets Horovod's count of backward passes, as step() does.
+        dist_opt.zero_grad = functools.partial(_zero_grad, dist_opt)  # type: ignore[method-assign]
         # hvd.broadcast_optimizer_state initialises an empty state with a
         # zero-gradient step, which weight decay turns into a real update.  A
         # fresh optimizer is empty (hence equal) on every rank, so only a
@@ -240,6 +255,18 @@ class HorovodStrategy(Strategy):
         self.wrapped = []
 
 
+def _zero_grad(dist_opt: Any, set_to_none: bool = True) -> None:
+    """``hvd.DistributedOptimizer.zero_grad`` where no all-reduce runs between the steps: clear
+    Horovod's record of backward passes (no handle is pending), then zero as ``torch.optim`` does."""
+    handles = dist_opt._handles
+    if any(handle is not None for handle, _ in handles.values()):
+        dist_opt.synchronize()  # not reached: backward_passes_per_step=NEVER fires none in a backward
+    for p in list(handles):
+        dist_opt._allreduce_delay[p] = dist_opt.backward_passes_per_step
+    handles.clear()
+    torch.optim.Optimizer.zero_grad(dist_opt, set_to_none=set_to_none)
+
+
 class HorovodCollectives(Collectives):
     """Horovod's collectives (Gloo or MPI controller; NCCL for CUDA tensors where built with it)."""
 
@@ -273,12 +300,13 @@ class HorovodCollectives(Collectives):
 
 
 class HorovodSync(GradientSync):
-    """``hvd.DistributedOptimizer`` all-reduces in its gradient hooks, on the
-    window's last backward (``backward_passes_per_step``)."""
+    """``hvd.DistributedOptimizer`` all-reduces the summed gradients of its
+    parameters in ``synchronize()``, at ``step``: after every backward call
+    of the window, whichever models each one reached."""
 
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        # Wait for the all-reduces (and start those a short window never
-        # triggered), so that clipping sees the averaged gradients.
+        # Start the all-reduces of this optimizer's parameters and wait for them,
+        # so that clipping sees the averaged gradients.
         cast(Any, optimizer).synchronize()  # hvd.DistributedOptimizer's
 
     def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
