@@ -217,7 +217,7 @@ class HorovodStrategy(Strategy):
         # (an all-reduce might be in flight); here none ever is, so zeroing
         # gradients that a loss put there (another model's, through this one)
         # only forgets Horovod's count of backward passes, as step() does.
-        dist_opt.zero_grad = functools.partial(_zero_grad, dist_opt)  # type: ignore[method-assign]
+        dist_opt.zero_grad = functools.partial(_zero_grad, dist_opt)
         # hvd.broadcast_optimizer_state initialises an empty state with a
         # zero-gradient step, which weight decay turns into a real update.  A
         # fresh optimizer is empty (hence equal) on every rank, so only a
