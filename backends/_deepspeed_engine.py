@@ -19,6 +19,8 @@ from parallelx.parts.collectives import Watch
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.state import keep_rng_state
 
+from ._deepspeed_zero import forget_reduced_gradients
+
 
 class DeepSpeedModel(nn.Module):
     """What ``wrap_model`` returns: the user's module (``.module``) and, once
@@ -131,6 +133,12 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+        # ZeRO 2 and 3 keep what the backward passes since the last step reduced in their own
+        # buffers (a loss through this model's parameters that trained another model), which the
+        # engine's zero_grad() does not clear: the ZeRO optimizer's zero_grad() (as engine.step
+        # calls it) and, under ZeRO 2, its sums of the reduced partitions.
+        self.optimizer.zero_grad(set_to_none=True)
+        forget_reduced_gradients(self.optimizer)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ParallelxError(

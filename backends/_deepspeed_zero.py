@@ -190,6 +190,16 @@ class GradSlice:
         return self.grad.numel() == full_numel(self.param)
 
 
+def forget_reduced_gradients(zero: Any) -> None:
+    """Drop what ZeRO has reduced since the last step and keeps apart from ``param.grad``:
+    ZeRO 2's per-group sums of each backward's reduced partition (``all_grad_tensors``,
+    which its ``zero_grad()`` leaves; ZeRO 3's ``zero_grad()`` restarts its own sums)."""
+    pending = getattr(zero, "all_grad_tensors", None)
+    if isinstance(pending, dict):
+        for group in pending:
+            pending[group] = None
+
+
 def full_numel(param: torch.Tensor) -> int:
     """A parameter's whole number of elements, also under ZeRO-3."""
     return int(getattr(param, "ds_numel", param.numel()))

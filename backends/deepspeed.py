@@ -320,7 +320,13 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"deepspeed: DeepSpeed cannot set up 0-dim parameters ({', '.join(scalars[:3])}); make each a "
                 "1-element tensor, e.g. nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
             )
-        engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=self.config)
+        config = self.config
+        if optimizer is None and self.zero_stage in (1, 2):
+            # ZeRO 1 and 2 partition an optimizer's state and gradients, and DeepSpeed refuses to build
+            # them without one ("zero stage 1 requires an optimizer"); a model that is only run (a frozen
+            # teacher, an evaluation copy) has neither, and its stage-0 engine holds the same whole weights.
+            config = {**config, "zero_optimization": {"stage": 0}}
+        engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=config)
         if self.run.compile_options.enabled:
             engine.compile(compile_kwargs=self.run.compile_options.kwargs)
         object.__setattr__(wrapped, "engine", engine)
@@ -364,16 +370,50 @@ class DeepSpeedSync(GradientSync):
         return int(self.config["zero_optimization"]["stage"])
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None, boundary: bool) -> None:
-        engine = self.engine_for(loss, model)
-        # parallelx marks the boundary (a shorter last window included) and has
-        # already divided the loss by the window's length: DeepSpeed must not again.
-        engine.set_gradient_accumulation_boundary(boundary)
-        # The engine hooks its forward's outputs to divide their gradients by the accumulation steps in
-        # a backward that is not its own, and tells its own by a hook on the tensor it is given, which
-        # runs after the output's hook when that tensor *is* an output (a model that returns its loss,
-        # in a window of one micro-batch): the loss then lost a factor of the window's steps.  A new
-        # tensor (exactly equal) carries the engine's hook instead, which runs first.
-        engine.backward(loss * 1.0, scale_wrt_gas=False)
+        engines = self.engines_for(loss, model)
+        # Every backward accumulates (ZeRO 2 and 3 reduce-scatter into their partitions as they go);
+        # the boundary's reduction runs in synchronize(), at step: a window's backward calls are not
+        # counted ahead (several per micro-batch, losses through another model), and a backward at
+        # the boundary would reduce once per call (ZeRO 1 and 2 then keep only the last call's).
+        for engine in engines:
+            engine.set_gradient_accumulation_boundary(False)
+        first, others = engines[0], engines[1:]
+        if others and self.config.get("fp16", {}).get("enabled"):
+            # Each float16 engine scales its own loss; one loss cannot carry two engines' scales.
+            raise ParallelxError(
+                f"deepspeed: under 16-mixed this loss reaches {len(engines)} models' trained parameters, and "
+                "each DeepSpeed engine scales the loss by its own factor; freeze the others for this backward "
+                "(requires_grad_(False) on their parameters) or use precision 32 or bf16-mixed"
+            )
+        # The other engines this loss reaches run their backward hooks inside the first's backward
+        # (DeepSpeed's torch-style backward, ZeRO 1-3).  ZeRO 0 has none and refuses a backward its
+        # engine did not start: it is told this one is its own (nothing else runs off the boundary).
+        marked = [e for e in others if not e._support_torch_style_backward]
+        for engine in marked:
+            engine._running_engine_backward_count += 1
+            engine._running_engine_backward = True
+        try:
+            # The engine hooks its forward's outputs to divide their gradients by the accumulation steps
+            # in a backward that is not its own, and tells its own by a hook on the tensor it is given,
+            # which runs after the output's hook when that tensor *is* an output (a model that returns
+            # its loss, in a window of one micro-batch): the loss then lost a factor of the window's
+            # steps.  A new tensor (exactly equal) carries the engine's hook instead, which runs first.
+            first.backward(loss * 1.0, scale_wrt_gas=False)
+        finally:
+            for engine in marked:
+                engine._running_engine_backward_count -= 1
+                engine._running_engine_backward = engine._running_engine_backward_count > 0
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        # The accumulation boundary: ZeRO 0 and 1 all-reduce (reduce-scatter) the summed gradients
+        # now; ZeRO 2 and 3 reduced each backward's into their partitions and finish them here (as
+        # DeepSpeed's own managed_gradient_accumulation=false does in its step).
+        engine = cast(DeepSpeedOptimizer, optimizer).engine
+        engine.set_gradient_accumulation_boundary(True)
+        if self.zero_stage >= 2:
+            engine.optimizer.finalize_gradient_accumulation_boundary()
+        else:
+            engine.allreduce_gradients()
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         if engine_clips(self.config):
@@ -419,22 +459,23 @@ class DeepSpeedSync(GradientSync):
         whole = zero_state.whole_gradients(slices, ds.trained_params, lambda t: self.comm.all_reduce(t, "sum"))
         return {names.get(id(p), f"param{i}"): g for i, (p, g) in enumerate(whole)}
 
-    def engine_for(self, loss: torch.Tensor, model: nn.Module | None) -> Any:
-        """The engine whose backward ``loss`` needs: the named model's, the only
-        trained one's, or the one whose parameters the loss depends on."""
+    def engines_for(self, loss: torch.Tensor, model: nn.Module | None) -> list[Any]:
+        """The engines whose parameters ``loss`` reaches, the named model's first (it runs the
+        backward); the only trained one's when its graph cannot be read."""
+        trained = [m for m in self.wrapped if m.trains]
+        named: DeepSpeedModel | None = None
         if model is not None:
             for m in self.wrapped:
                 if model is m or model is m.engine or model is m.module:
-                    if not m.trains:
-                        raise ParallelxError(
-                            "deepspeed: backward(loss, model=...) names a model without an "
-                            "optimizer; call backend.wrap_optimizer(optimizer) for it first"
-                        )
-                    return m.engine
-            raise ParallelxError("deepspeed: backward(loss, model=...) names a model not set up by this backend")
-        trained = [m for m in self.wrapped if m.trains]
-        if len(trained) == 1:
-            return trained[0].engine
+                    named = m
+                    break
+            else:
+                raise ParallelxError("deepspeed: backward(loss, model=...) names a model not set up by this backend")
+            if not named.trains:
+                raise ParallelxError(
+                    "deepspeed: backward(loss, model=...) names a model without an "
+                    "optimizer; call backend.wrap_optimizer(optimizer) for it first"
+                )
         if not trained:
             raise ParallelxError(
                 "deepspeed: no model has an optimizer yet; call "
@@ -443,12 +484,16 @@ class DeepSpeedSync(GradientSync):
             )
         used = graph_parameters(loss)
         hits = [m for m in trained if any(id(p) in used for p in m.module.parameters())]
-        if len(hits) == 1:
-            return hits[0].engine
-        raise ParallelxError(
-            f"deepspeed: {len(trained)} models are set up and this loss depends on {len(hits)} "
-            "of them; say which one it trains: backend.backward(loss, model=model)"
-        )
+        if named is not None:
+            hits = [named, *(m for m in hits if m is not named)]
+        if not hits:
+            if len(trained) == 1:
+                return [trained[0].engine]
+            raise ParallelxError(
+                f"deepspeed: {len(trained)} models are set up and this loss reaches none of their "
+                "trained parameters; say which one it trains: backend.backward(loss, model=model)"
+            )
+        return [m.engine for m in hits]
 
 
 class DeepSpeedStateIO(StateIO):
