@@ -58,6 +58,12 @@ class DeepSpeedModel(nn.Module):
             self.engine.train(mode)
         return self
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.trains:  # and what ZeRO 2 and 3 reduced apart from param.grad (DeepSpeedOptimizer.zero_grad)
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            forget_reduced_gradients(self.engine.optimizer)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
