@@ -456,14 +456,21 @@ class Backend:
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
         """Backpropagate ``loss`` (this micro-batch's mean), divided once by the
-        window's length.  ``model`` names the model it trains, where a backend
-        needs it (several DeepSpeed models)."""
+        window's length.  Several calls before one :meth:`step` add up, as
+        ``loss.backward()`` does; a loss through several models' parameters
+        gives each of them gradients, as autograd does.  ``model`` names the
+        model whose engine runs the backward, where a backend has one per
+        model (DeepSpeed; by default the first the loss reaches)."""
         self._require_init().backward(loss, model)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> StepResult | None:
         """None inside a window; at its end: average, unscale, clip, step the
         optimizer and ``scheduler`` (not after a skipped step), zero the
-        gradients, and return the :class:`~parallelx.parts.loop.StepResult`."""
+        gradients of exactly this optimizer's parameters, and return the
+        :class:`~parallelx.parts.loop.StepResult`.  Other models' gradients
+        (a loss through them) stay until the script zeroes them or steps
+        their optimizer, as in plain PyTorch (docs/loops.md, "Several models
+        and optimizers")."""
         return self._require_init().step(optimizer, scheduler)
 
     def log_metrics(
