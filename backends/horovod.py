@@ -264,7 +264,7 @@ def _zero_grad(dist_opt: Any, set_to_none: bool = True) -> None:
     for p in list(handles):
         dist_opt._allreduce_delay[p] = dist_opt.backward_passes_per_step
     handles.clear()
-    torch.optim.Optimizer.zero_grad(dist_opt, set_to_none=set_to_none)
+    super(type(dist_opt), dist_opt).zero_grad(set_to_none=set_to_none)  # the user's optimizer's own
 
 
 class HorovodCollectives(Collectives):
