@@ -92,6 +92,8 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         #: them in ``param_groups`` by its flat partitions): the order in which
         #: the clipping norm adds them up, as torch's does.
         self.trained_params: list[nn.Parameter] = list(params or [])
+        #: The gradients since the last step are reduced (finish_accumulation ran).
+        self.reduced = False
         # torch.optim.Optimizer has no public way to make its hook registries
         # without building parameter groups of its own (its __init__ does both):
         # they are made here, so that register_step_post_hook and the others work.
@@ -131,11 +133,28 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
             raise ParallelxError(
                 "deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps after backend.backward(loss)"
             )
+        self.finish_accumulation()
         self.engine.step()
+        self.reduced = False
         for hook in list(
             self._optimizer_step_post_hooks.values()
         ):  # torch.optim's step hooks (parallelx.transforms.buffers)
             hook(self, (), {})
+
+    def finish_accumulation(self) -> None:
+        """The accumulation boundary, once per step: every backward accumulated (the engine's
+        boundary off, whatever the number of backward calls); ZeRO 0 and 1 now all-reduce
+        (reduce-scatter) the summed gradients, ZeRO 2 and 3 finish the partitions each backward
+        reduced into, as DeepSpeed's ``managed_gradient_accumulation: false`` does in its step."""
+        if self.reduced:
+            return
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(True)
+        if engine.zero_optimization_partition_gradients():
+            engine.optimizer.finalize_gradient_accumulation_boundary()
+        else:
+            engine.allreduce_gradients()
+        self.reduced = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

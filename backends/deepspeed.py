@@ -405,15 +405,8 @@ class DeepSpeedSync(GradientSync):
                 engine._running_engine_backward = engine._running_engine_backward_count > 0
 
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
-        # The accumulation boundary: ZeRO 0 and 1 all-reduce (reduce-scatter) the summed gradients
-        # now; ZeRO 2 and 3 reduced each backward's into their partitions and finish them here (as
-        # DeepSpeed's own managed_gradient_accumulation=false does in its step).
-        engine = cast(DeepSpeedOptimizer, optimizer).engine
-        engine.set_gradient_accumulation_boundary(True)
-        if self.zero_stage >= 2:
-            engine.optimizer.finalize_gradient_accumulation_boundary()
-        else:
-            engine.allreduce_gradients()
+        # The boundary's reduction (the plain loop's optimizer.step() runs it too).
+        cast(DeepSpeedOptimizer, optimizer).finish_accumulation()
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         if engine_clips(self.config):

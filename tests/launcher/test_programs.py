@@ -10,6 +10,7 @@ one process computed in the same worker.
   real and a detached fake batch, G's loss through D), 3 steps.
 - A frozen teacher beside a trained student.
 - ``step(opt_a)`` leaves model b's gradients for ``step(opt_b)``.
+- The plain loop: ``optimizer.step()`` by hand after two backward calls.
 
 Tolerance: 1e-6 relative per tensor, float32 summation order (the average
 over 2 ranks of each rank's sum; DDP reduces each backward call on its own,
@@ -71,6 +72,11 @@ def test_step_of_one_optimizer_leaves_the_other_models_gradients(reports):
     for rep in reports:
         assert rep["two_optimizers"]["rel_err_a"] < TOL
         assert rep["two_optimizers"]["rel_err_b"] < TOL
+
+
+def test_the_plain_loop_optimizer_step_by_hand(reports):
+    for rep in reports:
+        assert rep["plain_loop"]["rel_err"] < TOL
 
 
 def test_every_rank_ends_with_the_same_weights(reports):

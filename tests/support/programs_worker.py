@@ -27,6 +27,8 @@ computes for the other layers.
 - ``two_optimizers``: one loss through models a and b, ``step(opt_a)`` then
   ``step(opt_b)``: b's gradients survive a's step (b's weights against
   plain PyTorch).
+- ``plain_loop``: ``optimizer.step()`` and ``optimizer.zero_grad()`` by hand
+  after two ``backend.backward`` calls.
 
 Every rank writes ``<out>/rank<r>.json``: per case the largest relative
 error against the reference (``rel_err``, per tensor), extra checks, or the
@@ -260,12 +262,35 @@ def two_optimizers(backend: parallelx.Backend) -> dict[str, Any]:
     }
 
 
+def plain_loop(backend: parallelx.Backend) -> dict[str, Any]:
+    """``backend.backward(loss); optimizer.step(); optimizer.zero_grad()`` by hand, two backward calls each."""
+    world = backend.world_size
+    ref = mlp(15)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = backend.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt is not None
+    loss_fn = nn.MSELoss()
+    for step in range(STEPS):
+        xs = [batch(step, world, 4, seed=s) for s in (16, 17)]
+        y = batch(step, world, 1, seed=18)
+        for x in xs:
+            backend.backward(loss_fn(model(mine(backend, x)), mine(backend, y)))
+            (sum(loss_fn(ref(u), v) for u, v in zip(halves(world, x), halves(world, y))) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"rel_err": rel_err(params_of(backend, model), plain_params(ref))}
+
+
 CASES: dict[str, Callable[[parallelx.Backend], dict[str, Any]]] = {
     "one_param": one_param,
     "mlp": two_backward_mlp,
     "gan": gan,
     "teacher": teacher,
     "two_optimizers": two_optimizers,
+    "plain_loop": plain_loop,
 }
 
 
