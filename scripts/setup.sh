@@ -105,6 +105,34 @@ if [ "$MODE" = core ]; then
     exit 0
 fi
 
+# Horovod: built (7 minutes on 2 cores the first time, then cached), its build checked for PyTorch and Gloo.
+horovod() {
+    "$PY" scripts/build_horovod.py || return 1
+    local check
+    check=$("$VENV/bin/horovodrun" --check-build) || return 1
+    echo "$check"
+    for need in PyTorch Gloo; do
+        grep -q "\[X\] $need" <<<"$check" || { echo "[setup] horovod was built without $need support" >&2; return 1; }
+    done
+}
+
+if [ "$MODE" = test ] && ! current "$all_stamp" "$all_want"; then
+    # In the background from here (it needs torch only), below the tests' priority: it takes the cores
+    # that pip's downloads and the tests' waits on launches leave; the tests that need Horovod wait for
+    # its status (tests/support/horovod_build.py).
+    echo running >"$status"
+    echo "[setup] building horovod in the background (log: $VENV/horovod-build.log); the tests that need it wait for it"
+    (
+        renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true # the build's processes inherit it
+        if horovod >"$VENV/horovod-build.log" 2>&1; then
+            echo "$all_want" >"$all_stamp"
+            echo done >"$status"
+        else
+            echo failed >"$status"
+        fi
+    ) </dev/null >/dev/null 2>&1 &
+fi
+
 if ! current "$rest_stamp" "$all_want"; then
     echo "[setup] installing deepspeed, ray, the trackers, the dev and docs tools (about 2 minutes from fresh)"
     "$PY" -m pip install --quiet -e ".[deepspeed,ray,trackers,dev,docs]"
@@ -119,35 +147,19 @@ PYEOF
     echo "$all_want" >"$rest_stamp"
 fi
 
-# Horovod: built (7 minutes on 2 cores the first time, then cached), its build checked for PyTorch and Gloo.
-horovod() {
-    "$PY" scripts/build_horovod.py || return 1
-    local check
-    check=$("$VENV/bin/horovodrun" --check-build) || return 1
-    echo "$check"
-    for need in PyTorch Gloo; do
-        grep -q "\[X\] $need" <<<"$check" || { echo "[setup] horovod was built without $need support" >&2; return 1; }
-    done
-}
-
 if [ "$MODE" = test ]; then
-    # In the background, below the tests' priority: it takes the cores the tests leave while they
-    # wait on launches, and the tests that need Horovod wait for its status (tests/support/horovod_build.py).
-    echo running >"$status"
-    echo "[setup] building horovod in the background (log: $VENV/horovod-build.log); the tests that need it wait for it"
-    (
-        renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true  # the build's processes inherit it
-        if horovod >"$VENV/horovod-build.log" 2>&1; then
-            echo "$all_want" >"$all_stamp"
-            echo done >"$status"
-        else
-            echo failed >"$status"
-        fi
-    ) </dev/null >/dev/null 2>&1 &
     echo "[setup] done but for Horovod in $(($(date +%s) - start)) s"
     exit 0
 fi
 
+if [ "$(cat "$status" 2>/dev/null)" = running ] && pgrep -f "scripts/build_horovod.py" >/dev/null; then
+    echo "[setup] waiting for the Horovod build that make test started in the background"
+    while [ "$(cat "$status")" = running ]; do sleep 5; done
+    if current "$all_stamp" "$all_want"; then
+        echo "[setup] done in $(($(date +%s) - start)) s"
+        exit 0
+    fi
+fi
 echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
 echo running >"$status"
 horovod || { echo failed >"$status"; exit 1; }
