@@ -101,9 +101,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=key)
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outermost, before pytest-timeout arms the test's timer: a test that needs Horovod waits for its build."""
+    if horovod_build.building() and horovod_build.needs_horovod(item):
+        horovod_build.wait(fail=False)
+    yield
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before its fixtures start any launch: a test that needs Horovod waits for its build."""
+    """Before its fixtures start any launch: a failed build fails the test with its log."""
     if horovod_build.building() and horovod_build.needs_horovod(item):
         horovod_build.wait()
 
