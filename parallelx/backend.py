@@ -450,8 +450,6 @@ class Backend:
         length: int | None = None
         if isinstance(loader, Sized):
             length = len(loader) if limit is None else min(limit, len(loader))
-        elif limit is not None:
-            length = None
         return Batches(lambda: self._require_init().batches(loader, limit), length)
 
     def backward(self, loss: torch.Tensor, *, model: nn.Module | None = None) -> None:
