@@ -18,8 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training, layout, shard
 from parallelx.errors import ParallelxError
 from parallelx.parts.loop import LoopOptions
+from parallelx.transforms.units import default_units
 
 #: Config entries whose DeepSpeed default (or a value a user sets) makes the
 #: update differ from one process on the global batch, with the plain value
@@ -72,6 +77,73 @@ def build_config(
     cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("steps_per_print", 2**31 - 1)
     return cfg
+
+
+#: DeepSpeed's own defaults of ZeRO's buffer sizes (elements; runtime/zero/config.py), which it keeps
+#: whatever the model's size: a 5e8-element reduce bucket is 1.9 GiB of float32 on every rank.
+DEEPSPEED_SIZES: dict[str, int] = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "sub_group_size": 1_000_000_000,
+}
+#: The smallest bucket parallelx picks (elements): below it a tiny model's buckets would only add collectives.
+SMALLEST_BUCKET = 1_000_000
+
+
+def sized_for(largest_unit: int, largest_tensor: int) -> dict[str, int]:
+    """ZeRO's buffer sizes (elements) for a model whose largest block (the unit fsdp also shards on
+    its own) holds ``largest_unit`` elements and whose largest tensor ``largest_tensor``: a bucket
+    holds one block's gradients (or the largest tensor, which DeepSpeed cannot split across
+    buckets), the prefetch one block ahead, at most two blocks gathered at once and none kept
+    from the forward to the backward beyond that, and ZeRO-3's optimizer stepped one block's
+    worth of its flat partition at a time (a whole-partition step allocates two temporaries the
+    size of the partition: 0.75 GiB a rank for a 200 M-parameter model at 2 processes); never
+    above DeepSpeed's own defaults.  The
+    parameter persistence threshold is DeepSpeed's (small tensors, LayerNorms and biases, stay
+    whole on every rank instead of costing a gather each)."""
+    bucket = max(largest_unit, largest_tensor, SMALLEST_BUCKET)
+    sized = {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
+        "stage3_max_live_parameters": 2 * bucket,
+        "stage3_max_reuse_distance": bucket,
+        "sub_group_size": bucket,
+    }
+    return {k: min(v, DEEPSPEED_SIZES[k]) for k, v in sized.items()}
+
+
+def zero_sizes(zero: Mapping[str, Any], largest_unit: int, largest_tensor: int) -> dict[str, int]:
+    """The sizes in force: the user's config's where it sets them, else :func:`sized_for`'s, else DeepSpeed's."""
+    picked = {**DEEPSPEED_SIZES, **sized_for(largest_unit, largest_tensor)}
+    return {k: int(zero[k]) if isinstance(zero.get(k), (int, float)) else v for k, v in picked.items()}
+
+
+def model_sizes(module: nn.Module) -> tuple[int, int]:
+    """The elements of ``module``'s largest unit (:func:`parallelx.transforms.units.default_units`) and of its
+    largest parameter, whole (a ZeRO-3 parameter already partitioned counts its ``ds_numel``)."""
+
+    def numel(p: torch.Tensor) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    seen: set[int] = set()
+    largest_unit = 0
+    for unit in default_units(module):
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        largest_unit = max(largest_unit, sum(numel(p) for p in own))
+    return largest_unit, max((numel(p) for p in module.parameters()), default=0)
+
+
+def with_sizes(cfg: dict[str, Any], largest_unit: int, largest_tensor: int) -> dict[str, Any]:
+    """``cfg`` with ZeRO's buffer sizes the user's config left unset (or ``"auto"``) sized for the model."""
+    zero = dict(cfg["zero_optimization"])
+    zero.update(zero_sizes(zero, largest_unit, largest_tensor))
+    return {**cfg, "zero_optimization": zero}
 
 
 def read_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -133,3 +205,84 @@ def math_changes(user: Mapping[str, Any]) -> list[str]:
     if "scheduler" in user:
         changes.append("a scheduler (stepped inside optimizer.step())")
     return changes
+
+
+def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Training) -> RankMemory:
+    """What a rank holds under ZeRO ``stage`` with the sizes parallelx picks (:func:`sized_for`).
+
+    Under ``16-mixed`` DeepSpeed's float16 engine holds the weights and gradients in float16 and
+    a float32 master copy; otherwise the weights stay float32 and ZeRO 1-3 still clone their
+    float32 partition (the masters) from them.  Stages 1 and 2 flatten the weights into one
+    buffer (a second copy while it is made); ZeRO 2 and 3 reduce the gradients through one
+    bucket of ``reduce_bucket_size`` elements, ZeRO-3 gathers at most
+    ``stage3_max_live_parameters`` elements plus one prefetch."""
+    n = max(1, world_size)
+    sizes = zero_sizes({}, model.largest_unit_numel, model.largest_tensor_numel)
+    numel = model.trainable_numel
+    half = training.precision == "16-mixed"
+    elem = 2 if half else max(1, model.trainable_bytes // max(1, numel))
+    weights = model.param_bytes // 2 if half else model.param_bytes
+    masters = 4 * numel  # float32 copies of the trained weights
+    state = training.states * masters
+    name = f"deepspeed zero{stage}"
+    eager = training.build == "eager"
+    if stage == 0:
+        return layout(
+            name,
+            model,
+            n,
+            training,
+            param_bytes=weights,
+            grad_bytes=numel * elem,
+            extra=masters if half else 0,
+            why="float32 masters" if half else "",
+            setup=model.state_bytes + (masters if half else 0),
+            transient=training.temporaries * model.largest_tensor_bytes
+            + min(numel, DEEPSPEED_SIZES["allgather_bucket_size"]) * elem,
+        )
+    reduce_bucket = min(numel, sizes["reduce_bucket_size"]) * elem
+    gather_bucket = min(numel, sizes["allgather_bucket_size"]) * elem
+    if stage in (1, 2):
+        grads_whole = stage == 1
+        extra = shard(masters, n) + (shard(numel * 4, n) if grads_whole else reduce_bucket)
+        return layout(
+            name,
+            model,
+            n,
+            training,
+            shards=("optimizer",) if grads_whole else ("grads", "optimizer"),
+            param_bytes=weights,
+            grad_bytes=numel * elem,
+            extra=extra,
+            why="float32 master partition, "
+            + ("the averaged gradients' partition" if grads_whole else "reduce bucket"),
+            setup=(model.state_bytes if eager else 0) + weights + shard(masters, n),
+            # The optimizer steps the whole flat float32 partition at once.
+            transient=training.temporaries * shard(masters, n) + gather_bucket + (reduce_bucket if grads_whole else 0),
+        ).with_optimizer(shard(state, n))
+    live = min(numel, sizes["stage3_max_live_parameters"] + sizes["stage3_prefetch_bucket_size"]) * elem
+    sub_group = min(shard(masters, n), 4 * sizes["sub_group_size"])  # the float32 bytes stepped at once
+    return layout(
+        name,
+        model,
+        n,
+        training,
+        shards=("params", "grads", "optimizer"),
+        param_bytes=weights,
+        grad_bytes=numel * elem,
+        extra=shard(masters, n) + reduce_bucket,
+        why="float32 master partition, reduce bucket",
+        # Eager: the whole model until its partitions are cut out of it (each weight freed as it is
+        # partitioned); then DeepSpeed's optimizer (stage3.py, `_setup_for_real_optimizer`): the
+        # partitions copied into one flat buffer (two copies while it copies), the float32 partition,
+        # a gradient buffer for the largest sub-group (freed), the reduce bucket and the gradients'
+        # flat partition.  The optimizer's own state waits for the first step (torch's, lazily).
+        setup=max(
+            (model.state_bytes if eager else 0) + shard(weights, n),
+            2 * shard(weights, n),
+            shard(weights, n) + shard(masters, n) + sub_group,
+            shard(weights, n) + shard(masters, n) + reduce_bucket + shard(numel * elem, n),
+        ),
+        # The optimizer steps one sub-group of the flat float32 partition at a time.
+        transient=training.temporaries * sub_group + live,
+    ).with_optimizer(shard(state, n))

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
+from parallelx.bigmodels.meta import Values, forget, put
 from parallelx.errors import ParallelxError
 from parallelx.parts.portable import to_cpu
 from parallelx.parts.state import check_named_groups, indexed_optimizer_state, named_from_indexed
@@ -65,12 +67,34 @@ def set_fp32_masters(zero: Any, stage: int, module: nn.Module, state: Mapping[st
     ``zero`` (DeepSpeed's ZeRO optimizer) trains: ZeRO steps the masters and
     copies them back into the weights, so the masters must hold the loaded
     values too.  Parameters outside the optimizer's groups have no master."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     trained = {id(p) for params in _groups(zero, stage) for p in params}
     for name, p in module.named_parameters():
         if id(p) in trained and name in state:
-            safe_set_full_fp32_param(p, state[name].to(p.device, torch.float32))
+            set_full(p, state[name].to(p.device, torch.float32), None)
+
+
+def set_full(param: torch.Tensor, value: torch.Tensor, key: str | None) -> None:
+    """DeepSpeed's ``safe_set_full_fp32_param`` (``key`` None) or ``safe_set_full_optimizer_state``.
+    Under ZeRO-3 the whole value is padded to the partitions first: DeepSpeed cuts each rank's part
+    of the unpadded value, which the last rank's part overruns wherever the size is not a multiple of
+    the world size (a 1-element bias on 2 ranks: "start (1) + length (1) exceeds dimension size (1)")."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    z3 = getattr(param, "_z3_optimizer", None)
+    if z3 is None or not param.requires_grad:
+        if key is None:
+            safe_set_full_fp32_param(param, value)
+        else:
+            safe_set_full_optimizer_state(param, value, key)
+        return
+    part, group = z3._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    size, rank = part.numel(), z3._get_param_partition_rank(param)
+    flat = value.detach().reshape(-1).to(part.device, part.dtype)
+    padded = torch.zeros(max(size * (rank + 1), flat.numel()), dtype=part.dtype, device=part.device)
+    padded[: flat.numel()] = flat
+    part.data.copy_(padded.narrow(0, size * rank, size))
+    if z3._swappable_optimizer_subgroup(group):
+        z3._optimizer_states_and_gradient_swap_out(group)
 
 
 def gather_named(zero: Any, stage: int, names: Mapping[int, str]) -> dict[str, Any]:
@@ -110,8 +134,6 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
     """Put a whole state (by name) into this rank's ZeRO shards.  The base
     optimizer creates its state at the first step; before that, it is
     created here, shaped like the shards, for the values to land in."""
-    from deepspeed.utils import safe_set_full_optimizer_state
-
     base = zero.optimizer
     groups = _groups(zero, stage)
     check_named_groups(named, [[names[id(p)] for p in params] for params in groups])
@@ -141,7 +163,7 @@ def scatter_named(zero: Any, stage: int, names: Mapping[int, str], named: Mappin
             for key in sorted(entry):
                 value = entry[key]
                 if torch.is_tensor(value) and tuple(value.shape) == full_shape(p):
-                    safe_set_full_optimizer_state(p, value.to(flat.device, flat.dtype), key)
+                    set_full(p, value.to(flat.device, flat.dtype), key)
 
 
 def link_optimizer_state(zero: Any, stage: int) -> None:
@@ -382,3 +404,62 @@ def load_loss_scale_state(optimizer: Any, state: Mapping[str, float | int] | Non
     for field in LOSS_SCALE_FIELDS:
         if field in state and hasattr(holder, field):
             setattr(holder, field, state[field])
+
+
+def materialize_partitioned(model: nn.Module, config: dict[str, Any], device: torch.device, who: str) -> None:
+    """A model built under ``parallelx.init_module()`` (or given a weight file by
+    ``parallelx.load_pretrained``) given its weights under ZeRO-3 without any rank holding it whole:
+    module by module, its parameters partitioned empty (``deepspeed.zero.Init``'s conversion of built
+    parameters), then each rank's partition written from the value's elements it keeps (a weight file
+    reads only the rows that hold them).  The engine adopts parameters already partitioned."""
+    import deepspeed
+
+    values = Values(model, who)  # a model it cannot compute is refused before anything changes
+    rank = torch.distributed.get_rank()
+    first: Any = None
+    for module in model.modules():
+        slots = [s for s in values.slots if s.owners[0][0] is module]
+        for s in slots:
+            if not s.is_param:  # buffers stay whole on every rank
+                put(s, values.whole(s).to(device))
+        trained = [s for s in slots if s.is_param]
+        if not trained:
+            continue
+        assert all(s.meta is not None for s in trained)
+        params: list[Any] = [put(s, torch.empty(s.meta.shape, dtype=s.meta.dtype, device=device)) for s in trained]  # type: ignore[union-attr]
+        if first is None:
+            # A holder of these parameters alone: zero.Init(module=) converts everything below it.
+            deepspeed.zero.Init(module=nn.ParameterList(params), config_dict_or_path=config)
+            first = params[0]
+        else:
+            first.convert_to_zero_parameters(param_list=params)
+        for s, p in zip(trained, params, strict=True):
+            # This rank's partition: elements [rank * size, (rank + 1) * size) of the flattened tensor.
+            part = p.ds_tensor
+            size = part.ds_numel
+            start, stop = min(rank * size, p.ds_numel), min((rank + 1) * size, p.ds_numel)
+            with torch.no_grad():
+                part.data.zero_()
+                if stop > start:
+                    part.data[: stop - start].copy_(values.flat(s, start, stop))
+    forget(model)
+
+
+def weight_pieces(module: nn.Module, rank: int) -> Layout:
+    """Each tensor's name, shape and dtype, and this rank's ZeRO-3 partition of each parameter as one
+    run of its flattened elements (what ``parallelx.save_pretrained`` writes, nothing gathered);
+    buffers, whole on every rank, are written by rank 0."""
+    tensors, pieces = [], []
+    for name, t in unique_state(module):
+        ds: Any = t
+        if hasattr(ds, "ds_tensor"):
+            tensors.append(TensorInfo(name, tuple(ds.ds_shape), t.dtype))
+            size = ds.ds_tensor.ds_numel
+            start, stop = min(rank * size, ds.ds_numel), min((rank + 1) * size, ds.ds_numel)
+            if stop > start:
+                pieces.append(Piece(name, start, ds.ds_tensor.detach()[: stop - start]))
+        else:
+            tensors.append(TensorInfo(name, tuple(t.shape), t.dtype))
+            if rank == 0:
+                pieces.append(Piece(name, 0, t.detach().reshape(-1)))
+    return Layout(tensors, pieces)

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
+from parallelx.bigmodels.meta import Values, forget
 from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
 from parallelx.parts.stateio import keyed_like, named_parameters, plain_key, plain_keys
@@ -128,7 +131,11 @@ def load_named_state(module: nn.Module, optimizer: torch.optim.Optimizer, named:
 
 
 def grad_norm(
-    params: Sequence[torch.Tensor], *, exact: bool, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    params: Sequence[torch.Tensor],
+    *,
+    exact: bool,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    replicas: int = 1,
 ) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient as ``torch.nn.utils.get_total_norm``
     takes it on one process (each parameter's norm, then the norm of those), the
@@ -145,8 +152,9 @@ def grad_norm(
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = torch.stack([torch.linalg.vector_norm(t, 2.0).double() ** 2 for t in local])
     sharded = torch.tensor([isinstance(g, DTensor) for g in grads], device=squares.device)
-    # A replicated (not sharded) gradient is whole on every rank: count it once.
-    summed = torch.where(sharded, all_reduce(squares), squares)
+    # A replicated (not sharded) gradient is whole on every rank: count it once.  Under HSDP each
+    # of the ``replicas`` groups holds every shard (the same values once synchronised): once too.
+    summed = torch.where(sharded, all_reduce(squares) / replicas, squares)
     return torch.linalg.vector_norm(summed.sqrt().to(grads[0].dtype), 2.0)
 
 
@@ -202,3 +210,62 @@ def load_sharded_state(
     dcp.load(target, checkpoint_id=str(directory))
     set_model_state_dict(module, keyed_like(model_sd, module), options=StateDictOptions(full_state_dict=False))
     load_named_state(module, optimizer, {"state": template, "param_groups": param_groups})
+
+
+def materialize_shards(module: nn.Module, values: Values, device: torch.device) -> None:
+    """Give a model sharded on the meta device its weights: each tensor computed whole on the CPU
+    (``values``, the same on every rank), this rank's slice kept, the rest dropped at once; a rank
+    holds its shards and one whole tensor at most."""
+    kept = {n: full(t) for n, t in [*module.named_parameters(), *module.named_buffers()] if not _is_meta(t)}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if name in kept:
+                whole = kept[name]
+                t.to_local().copy_(cast(DTensor, like(whole, t)).to_local()) if isinstance(t, DTensor) else t.copy_(
+                    whole
+                )
+                continue
+            slot = values.slot(name)
+            if slot is None:
+                raise ParallelxError(f"fsdp: no value for {name} of a model built on the meta device")
+            if isinstance(t, DTensor):
+                # This rank's rows only (a weight file reads just those).
+                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                local = t.to_local()
+                if local.numel():
+                    local.copy_(values.rows(slot, offset[0], offset[0] + shape[0]).view(local.shape))
+            else:
+                t.copy_(values.whole(slot))
+    forget(module)
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.to_local().is_meta if isinstance(t, DTensor) else t.is_meta
+
+
+def first_replica(t: DTensor) -> bool:
+    """Whether this rank is the first of those holding ``t``'s local part (HSDP keeps a copy in each
+    replica group; on a 1-D mesh every rank is)."""
+    where = t.device_mesh.get_coordinate()
+    return where is not None and all(where[i] == 0 for i, p in enumerate(t.placements) if p.is_replicate())
+
+
+def weight_pieces(module: nn.Module, rank: int) -> Layout:
+    """Each tensor's name, shape and dtype, and this rank's rows of each sharded one as one run of its
+    flattened elements (what ``parallelx.save_pretrained`` writes, nothing gathered); a tensor kept
+    whole on every rank is written by rank 0."""
+    tensors, pieces = [], []
+    for name, t in unique_state(module):
+        tensors.append(TensorInfo(name, tuple(t.shape), t.dtype))
+        if isinstance(t, DTensor):
+            if not first_replica(t):  # HSDP: another group writes the same rows
+                continue
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            local = t.to_local()
+            if local.numel():
+                row = local[0].numel() if local.dim() else 1
+                pieces.append(Piece(name, offset[0] * row, local.detach().reshape(-1)))
+        elif rank == 0:
+            pieces.append(Piece(name, 0, t.detach().reshape(-1)))
+    return Layout(tensors, pieces)

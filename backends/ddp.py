@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training, layout
 from parallelx.launching.launchers import Launcher
 from parallelx.parts.gradsync import GradientSync, Models
 from parallelx.strategies.process_group import ProcessGroupStrategy
@@ -65,6 +66,23 @@ class DDPStrategy(ProcessGroupStrategy):
 
     def __init__(self) -> None:
         self.wrapped: list[DistributedDataParallel] = []
+
+    @classmethod
+    def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
+        # DDP copies the gradients into flat buckets of its own (C++-held, as large as the gradients) to
+        # all-reduce them, and broadcasts rank 0's weights at construction through a flat copy of up to
+        # 250 MiB (torch's broadcast_bucket_size).
+        return [
+            layout(
+                cls.spec.name,
+                model,
+                world_size,
+                training,
+                extra=model.trainable_bytes,
+                why="gradient buckets",
+                setup=model.state_bytes + min(model.state_bytes, 250 * 2**20),
+            )
+        ]
 
     def gradient_sync(self) -> GradientSync:
         return DDPSync(self.run.models, self.wrapped)

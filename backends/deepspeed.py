@@ -40,6 +40,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training
+from parallelx.bigmodels.export import Layout
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launching.launchers import Launcher
 from parallelx.log import warn
@@ -48,20 +50,26 @@ from parallelx.parts.gradsync import GradientSync, Models, model_order, owner_na
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import EnginePrecision, Precision
+from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import StateIO, Unwrap, keyed_like
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec, Joined, unwrap
 
 from . import _deepspeed_zero as zero_state
+from ._allocator import return_freed_memory
 from ._deepspeed_config import (  # noqa: F401
     PLAIN_MATH,
     adopt_config,
     build_config,
     engine_clips,
     math_changes,
+    model_sizes,
     read_config,
+    with_sizes,
+    zero_memory,
 )
 from ._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
+from ._shards import ZeroShards
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
 
@@ -216,6 +224,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         )
         return options
 
+    @classmethod
+    def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
+        return [zero_memory(stage, model, world_size, training) for stage in (0, 1, 2, 3)]
+
     @property
     def zero_stage(self) -> int:
         return int(self.config["zero_optimization"]["stage"])
@@ -249,6 +261,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             dist_backend=self.dist_backend(device), verbose=False, timeout=_dt.timedelta(seconds=self.run.timeout_s)
         )
         joined = self.read_world(device)
+        if self.zero_stage == 3:
+            return_freed_memory(device)  # the gathered parameters' blocks, freed every step (_allocator)
         self.sync = DeepSpeedSync(self.run.models, joined.comm, self.config, self.wrapped)
         if self.math_changes:
             warn(
@@ -287,6 +301,17 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def compile(self, wrapped: nn.Module) -> None:
         pass  # the engine compiles itself once it is built (build)
 
+    def weight_pieces(self, model: nn.Module) -> Layout:
+        if self.zero_stage == 3:  # each rank writes its partitions
+            return zero_state.weight_pieces(unwrap(model), self.run.world.rank)
+        return super().weight_pieces(model)
+
+    def materialize(self, model: nn.Module) -> None:
+        if self.zero_stage == 3:  # partitioned module by module: no rank holds the model whole
+            zero_state.materialize_partitioned(model, self.config, self.run.device, self.name)
+        else:
+            super().materialize(model)
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(optimizer, DeepSpeedOptimizer):
             raise ParallelxError("deepspeed: this optimizer is already wrapped")
@@ -320,7 +345,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"deepspeed: DeepSpeed cannot set up 0-dim parameters ({', '.join(scalars[:3])}); make each a "
                 "1-element tensor, e.g. nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
             )
-        config = self.config
+        # ZeRO's buckets sized for this model where the user's config leaves them (DeepSpeed's own are
+        # fixed, 5e8 elements whatever the model: more than the whole of a 200 M-parameter model).
+        config = with_sizes(self.config, *model_sizes(wrapped.module))
         if optimizer is None and self.zero_stage in (1, 2):
             # ZeRO 1 and 2 partition an optimizer's state and gradients, and DeepSpeed refuses to build
             # them without one ("zero stage 1 requires an optimizer"); a model that is only run (a frozen
@@ -333,6 +360,26 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         object.__setattr__(wrapped, "trains", optimizer is not None)
         engine.train(wrapped.training)
         return DeepSpeedOptimizer(engine, ds_optimizer, params) if optimizer is not None else None
+
+    def parameter_shards(self, model: nn.Module) -> ParameterShards:
+        if any(self.config.get(kind, {}).get("enabled") for kind in ("fp16", "bf16")):
+            # The engine's weights are then its 16-bit copies (the fp32 masters live inside ZeRO's
+            # optimizer, partitioned differently at each stage): an average of them is not the
+            # average one process keeps of its fp32 weights.
+            raise ParallelxError(
+                "deepspeed: a weight average (parallelx.EMA) beside DeepSpeed's 16-bit engine (--precision "
+                "16-mixed, or fp16/bf16 in the config) would average its 16-bit copies of the weights, not the "
+                "fp32 weights the other backends average; use --precision 32 or bf16-mixed (autocast), or fsdp"
+            )
+        module = unwrap(model)
+        if self.zero_stage != 3:
+            return ParameterShards(module)
+        if not all(hasattr(p, "ds_tensor") for p in module.parameters()):
+            raise ParallelxError(
+                "deepspeed: the model's ZeRO-3 engine is not built yet; make the weight average after "
+                "backend.setup(model, optimizer) (or after the first forward of a model without one)"
+            )
+        return ZeroShards(module)
 
     # ------------------------------------------------------ the training loop
     def options_changed(self, options: LoopOptions) -> None:

@@ -25,6 +25,14 @@ whose skip decision all ranks share; ``bf16-mixed`` -> autocast over float32 FSD
 (FSDP2's own ``MixedPrecisionPolicy`` casts the weights, which changes the
 numbers); ``--grad-compression`` -> ``MixedPrecisionPolicy(reduce_dtype=...)``.
 
+Hybrid sharding (HSDP, ``replicate=R`` or ``--fsdp-replicate R``): a 2-D mesh of R
+groups that each hold a whole copy of the model, sharded over their N/R ranks; a
+gradient is reduce-scattered within a group and all-reduced across the groups, so
+the update is still that of one process.  By default, across machines when there are
+several (R = the number of machines, each machine's processes one group: the all-gathers
+of every forward stay on the machine) and none on one machine.  ``replicate=1`` shards
+over every rank wherever they run.
+
 Checkpoints are portable (whole tensors, plain names, on the CPU) like every
 backend's; with ``sharded_checkpoints=True`` (``--fsdp-sharded-checkpoints``)
 the training-state checkpoints hold each rank's shards instead, written with
@@ -43,11 +51,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallelx import log
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training, layout
+from parallelx.bigmodels.export import Layout
+from parallelx.bigmodels.meta import Values, has_meta
 from parallelx.errors import ParallelxError
 from parallelx.parts.collectives import Collectives
 from parallelx.parts.gradsync import GradientSync, Models, model_order, optimizer_params, owner_names
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.precision import Precision
+from parallelx.parts.shards import ParameterShards
 from parallelx.parts.state import named_from_indexed
 from parallelx.parts.stateio import StateIO, Unwrap
 from parallelx.strategies.process_group import ProcessGroupStrategy
@@ -56,6 +69,8 @@ from parallelx.transforms.compiling import compile_in_place
 from parallelx.transforms.units import UnitPolicy, parse_names, select_units
 from parallelx.utils import lazy_module
 
+from ._allocator import return_freed_memory
+from ._shards import DTensorShards
 from .ddp import TORCHRUN
 
 if TYPE_CHECKING:
@@ -85,10 +100,12 @@ class ShardedPrecision(Precision):
 class FSDPSync(GradientSync):
     """FSDP2 reduce-scatters in its backward hooks; inside a window it keeps whole local gradients."""
 
-    def __init__(self, models: Models, comm: Collectives, sharded: list[FSDPModule]) -> None:
+    def __init__(self, models: Models, comm: Collectives, sharded: list[FSDPModule], replicas: int = 1) -> None:
         super().__init__(models)
         self.comm = comm
         self.sharded = sharded
+        #: HSDP's groups: each holds every shard, so a sum over the world counts a shard this often.
+        self.replicas = replicas
         #: False inside a window: gradients stay local.
         self.syncing = True
 
@@ -116,7 +133,10 @@ class FSDPSync(GradientSync):
         # When it clips the norm scales the update: each parameter's whole gradient norm, as torch's to the bit.
         params = model_order(optimizer_params(optimizer), self.models())
         norm = fsdp_state.grad_norm(
-            params, exact=max_norm is not None, all_reduce=lambda t: self.comm.all_reduce(t, "sum")
+            params,
+            exact=max_norm is not None,
+            all_reduce=lambda t: self.comm.all_reduce(t, "sum"),
+            replicas=self.replicas,
         )
         if max_norm is not None:
             fsdp_state.clip_(params, max_norm, norm)
@@ -201,6 +221,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         shard: ShardPolicy = None,
         reshard_after_forward: bool = True,
         sharded_checkpoints: bool = False,
+        replicate: int | None = None,
     ) -> None:
         if shard is not None and not callable(shard):
             shard = tuple(shard)
@@ -209,9 +230,21 @@ class FSDPStrategy(ProcessGroupStrategy):
         self.shard = shard
         self.reshard_after_forward = bool(reshard_after_forward)
         self.sharded_checkpoints = bool(sharded_checkpoints)
+        if replicate is not None and (isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1):
+            raise ParallelxError(f"fsdp: replicate= takes a whole number of groups, 1 or more, got {replicate!r}")
+        #: HSDP's replica groups asked for (None: one per machine when there are several).
+        self.replicate = replicate
+        self.replicas = 1
         self.sharded: list[FSDPModule] = []
         self.renamed: dict[int, tuple[nn.Module, str]] = {}
         self.lockstep: ForwardLockstep | None = None
+
+    @classmethod
+    def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
+        # Parameters, gradients and optimizer state are each split in dim-0 slices over the ranks; a
+        # step gathers one unit whole at a time (and prefetches the next), the root's share for the
+        # whole forward and backward.
+        return [layout(cls.spec.name, model, world_size, training, shards=("params", "grads", "optimizer"))]
 
     def state_io(self) -> StateIO:
         return FSDPStateIO(unwrap, self.run.models, self.sharded_checkpoints)
@@ -234,6 +267,14 @@ class FSDPStrategy(ProcessGroupStrategy):
             "(more memory, one all-gather less)",
         )
         group.add_argument(
+            "--fsdp-replicate",
+            type=int,
+            default=None,
+            metavar="R",
+            help="hybrid sharding (HSDP): R groups, each holding a whole copy of the model sharded over its "
+            "processes (default: one group per machine when there are several; 1 shards over every rank)%(default).0s",
+        )
+        group.add_argument(
             "--fsdp-sharded-checkpoints",
             action="store_true",
             help="training-state checkpoints hold each rank's shards (torch.distributed.checkpoint); "
@@ -247,6 +288,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             shard=parse_names(getattr(args, "fsdp_shard", None)),
             reshard_after_forward=not getattr(args, "fsdp_no_reshard_after_forward", False),
             sharded_checkpoints=getattr(args, "fsdp_sharded_checkpoints", False),
+            replicate=getattr(args, "fsdp_replicate", None),
         )
         return options
 
@@ -255,10 +297,35 @@ class FSDPStrategy(ProcessGroupStrategy):
 
         device = self.join_rendezvous()
         joined = self.read_world(device)
+        return_freed_memory(device)  # the gathered units' blocks, freed every step (_allocator)
         # Explicit, on this process's device type: never FSDP2's accelerator default.
-        self.mesh = init_device_mesh(device.type, (joined.world_size,))
-        self.sync = FSDPSync(self.run.models, joined.comm, self.sharded)
+        self.replicas = replicas = self.replica_groups(joined)
+        if replicas > 1:  # HSDP: FSDP2 reads a 2-D mesh as (replicate, shard)
+            self.mesh = init_device_mesh(
+                device.type, (replicas, joined.world_size // replicas), mesh_dim_names=("replicate", "shard")
+            )
+            if joined.rank == 0:  # the default across machines is chosen silently otherwise
+                log.info(
+                    f"fsdp: hybrid sharding, {replicas} groups of {joined.world_size // replicas} processes "
+                    "(each group a whole copy of the model, sharded within it)"
+                )
+        else:
+            self.mesh = init_device_mesh(device.type, (joined.world_size,))
+        self.sync = FSDPSync(self.run.models, joined.comm, self.sharded, replicas)
         return joined
+
+    def replica_groups(self, joined: Joined) -> int:
+        """How many whole copies of the model HSDP keeps (1: plain sharding over every rank)."""
+        n, per_machine = joined.world_size, max(1, joined.local_world_size)
+        if self.replicate is None:  # across machines when there are several, each machine a group
+            machines = n // per_machine if n % per_machine == 0 else 1
+            return machines if 1 < machines < n else 1
+        if self.replicate < 1 or n % self.replicate:
+            raise ParallelxError(
+                f"fsdp: --fsdp-replicate {self.replicate} does not divide the world of {n} processes into "
+                f"groups of the same size: give a divisor of {n} (1 shards over every rank)"
+            )
+        return self.replicate
 
     def gradient_sync(self) -> GradientSync:
         return self.sync
@@ -279,11 +346,15 @@ class FSDPStrategy(ProcessGroupStrategy):
 
         if isinstance(model, FSDPModule):
             raise ParallelxError("fsdp: this model is already sharded")
-        model = model.to(self.run.device)
+        # Built under parallelx.init_module(): sharded on the meta device, then each tensor computed
+        # whole, one at a time, and only this rank's slice kept (every rank computes the same values).
+        meta = Values(model, "fsdp") if has_meta(model) else None
+        if meta is None:
+            model = model.to(self.run.device)
         units = self.units(model)  # before any change: a wrong choice fails before the broadcasts
         # Rank 0's parameters and buffers on every rank, as DDP does at construction.
         with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
+            for t in [*model.parameters(), *model.buffers()] if meta is None else []:
                 self.broadcast_into(t)
         # The optimizer was built on the parameters fully_shard replaces: remember their names.
         self.renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
@@ -292,9 +363,6 @@ class FSDPStrategy(ProcessGroupStrategy):
         # fully_shard cannot split a scalar (CLIP's logit_scale): such parameters stay whole on every
         # rank, and their gradients are averaged by a hook of parallelx's, in the backward, as DDP would.
         scalars = {p for p in model.parameters() if p.dim() == 0}
-        for p in scalars:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.sync.average_replicated)
         for module in [*units, model]:
             if module is not model and self.run.compile_options.enabled:  # per block, between FSDP2's collectives
                 compile_in_place(module, self.run.compile_options)
@@ -306,6 +374,11 @@ class FSDPStrategy(ProcessGroupStrategy):
                 offload_policy=CPUOffloadPolicy() if self.run.cpu_offload else OffloadPolicy(),
                 ignored_params=scalars or None,
             )
+        if meta is not None:
+            fsdp_state.materialize_shards(model, meta, self.run.device)  # new objects for the scalars
+        for p in model.parameters():
+            if p.dim() == 0 and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.sync.average_replicated)
         if self.run.world.world_size > 1:
             if self.lockstep is None:
                 self.lockstep = ForwardLockstep("fsdp", self.run.world.rank, self.run.timeout_s)
@@ -317,6 +390,15 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     def compile(self, wrapped: nn.Module) -> None:
         pass  # the units were compiled one by one before sharding (wrap_model)
+
+    def materialize(self, model: nn.Module) -> None:
+        pass  # sharded first, then each rank computes its slices (wrap_model)
+
+    def weight_pieces(self, model: nn.Module) -> Layout:
+        return fsdp_state.weight_pieces(unwrap(model), self.run.world.rank)  # HSDP: the first group writes
+
+    def parameter_shards(self, model: nn.Module) -> ParameterShards:
+        return DTensorShards(unwrap(model))
 
     def broadcast_into(self, tensor: torch.Tensor) -> None:
         if self.run.world.world_size > 1:

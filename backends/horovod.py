@@ -22,6 +22,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training, layout
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError
 from parallelx.launching import network
 from parallelx.launching.launchers import Launcher
@@ -112,6 +113,13 @@ class HorovodStrategy(Strategy):
 
     def __init__(self) -> None:
         self.wrapped: list[nn.Module] = []
+
+    @classmethod
+    def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
+        # Gradients are all-reduced in place, several at once through a fusion buffer of up to 128 MiB
+        # (HOROVOD_FUSION_THRESHOLD's default); rank 0's weights are broadcast tensor by tensor.
+        fusion = min(model.trainable_bytes, 128 * 2**20)
+        return [layout(cls.spec.name, model, world_size, training, extra=fusion, why="fusion buffer")]
 
     def join(self) -> Joined:
         # Horovod reads its timeouts from the environment: the Gloo rendezvous

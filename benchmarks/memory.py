@@ -1,57 +1,132 @@
-"""What sharding saves: each rank's model-state memory and peak memory while
-training the Dogs-vs-Cats VGG16 under ddp, DeepSpeed ZeRO 1-3 and fsdp.
+"""What sharding saves: each rank's memory through set-up and training, under
+ddp, DeepSpeed ZeRO 1-3 and fsdp, beside what ``python -m parallelx estimate``
+predicts for it.
 
-    python -m benchmarks.memory --nproc 2 4 --image-size 32 --steps 3      # the table (minutes on 2 cores)
-    python -m benchmarks.memory --tiny                                     # LeNet, 2 processes: a smoke test
+    python -m benchmarks.memory --model gpt-200m --nproc 2 4 --cases ddp fsdp zero3   # the big-models table
+    python -m benchmarks.memory --nproc 2 4 --image-size 32 --steps 3                 # VGG16, SGD (docs/sharding.md)
+    python -m benchmarks.memory --tiny                                                # LeNet, 2 processes: a smoke test
 
-Each case is one launch under the backend's own launcher; every rank trains
-``--steps`` steps of SGD with momentum on synthetic batches and reports, after
-the last backward (gradients and optimizer state both alive):
+Each case is one launch under the backend's own launcher.  The GPT models
+(``gpt-200m``: 16 blocks of width 1024, 202 M parameters, 771 MiB of float32
+weights; ``gpt-20m``; ``gpt-recipe``: ``recipes/gpt.py``'s defaults) train with
+AdamW on random tokens, VGG16 and LeNet with SGD and momentum on synthetic
+images.  Every rank reports:
 
-- params, grads: the bytes of this rank's own parameter and gradient tensors
-  (a DTensor's local shard, a ZeRO-3 partition);
-- model state: the bytes of every tensor alive in the process but the input
-  batches (parameters, gradients, optimizer state, and what the backend adds:
-  DDP's gradient buckets, ZeRO's fp32 partitions and flat buffers);
-- peak RSS (CPU; ``ru_maxrss``, which also counts the whole model each rank
-  builds before it is sharded) or ``max_memory_allocated`` (GPU);
+- its peak RSS growth (CPU; ``VmHWM`` over the RSS after the backend joined its
+  world, reset there) or ``max_memory_allocated`` (GPU), cumulative through each
+  phase: building the model, ``backend.setup``, one optimizer step (``--steps``
+  more for the image models);
+- params, grads, optimizer: the bytes of this rank's own tensors (a DTensor's
+  local shard, a ZeRO-3 partition), after the last backward;
+- model state: the bytes of every tensor alive in Python but the input batches
+  (tensors held only by C++, DDP's gradient buckets, are not seen);
 - the median step time, as a ratio to ddp's at the same world size.
 
-The table goes to stdout and ``--out`` (JSON).  Nothing is asserted about time.
+The table goes to stdout and ``--out`` (JSON), with the estimate's held bytes
+and peak beside the measurement.  Nothing is asserted about time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
-import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import parallelx
 from benchmarks.workload import Case, build_model, make_optimizer, synthetic_batches
+from parallelx.bigmodels import estimate
 from parallelx.launching import runner
 
-#: name -> (backend, extra arguments)
-CASES: dict[str, tuple[str, list[str]]] = {
-    "ddp": ("ddp", []),
-    **{f"zero{z}": ("deepspeed", ["--zero-stage", str(z)]) for z in (1, 2, 3)},
+#: name -> (backend, extra arguments, the estimate's row)
+CASES: dict[str, tuple[str, list[str], str]] = {
+    "ddp": ("ddp", [], "ddp"),
+    **{f"zero{z}": ("deepspeed", ["--zero-stage", str(z)], f"deepspeed zero{z}") for z in (1, 2, 3)},
     # DeepSpeed's default reduce bucket (5e8 elements, 1.9 GiB in float32) is held by every ZeRO-3 rank.
-    "zero3-bucket5e7": ("deepspeed", ["--zero-stage", "3", "--deepspeed-config", "{work}/bucket5e7.json"]),
-    "fsdp": ("fsdp", []),
+    "zero3-bucket5e7": (
+        "deepspeed",
+        ["--zero-stage", "3", "--deepspeed-config", "{work}/bucket5e7.json"],
+        "deepspeed zero3",
+    ),
+    "fsdp": ("fsdp", [], "fsdp"),
+    # Hybrid sharding: 2 replicas, each sharded over half the ranks (fsdp's row at half the world).
+    "hsdp": ("fsdp", ["--fsdp-replicate", "2"], "fsdp"),
 }
+#: The cases that shard over a part of the world: their replicas.
+REPLICAS = {"hsdp": 2}
 #: Configs the cases above name, written into the work folder.
 CONFIGS = {"bucket5e7.json": {"zero_optimization": {"reduce_bucket_size": 50_000_000}}}
+IMAGE_MODELS = ("vgg16", "lenet")
+GPT_MODELS = ("gpt-200m", "gpt-20m", "gpt-recipe")
+#: The phases each rank reports its peak through, in order.
+PHASES = ("build", "setup", "step")
 
 
+# ------------------------------------------------------------ the models
+def _gpt(n_layer: int, n_embd: int, vocab_size: int = 256, block_size: int = 256) -> nn.Module:
+    from recipes.models import GPT, GPTConfig
+
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=max(1, n_embd // 64),
+            n_embd=n_embd,
+            dropout=0.0,
+        )
+    )
+
+
+def gpt_200m() -> nn.Module:
+    """202 M parameters (771 MiB in float32): 16 blocks of width 1024, 256 tokens."""
+    return _gpt(16, 1024)
+
+
+def gpt_20m() -> nn.Module:
+    """19 M parameters: 6 blocks of width 512 (the tests' size: it stands out of the RSS noise)."""
+    return _gpt(6, 512)
+
+
+def gpt_recipe() -> nn.Module:
+    """``recipes/gpt.py``'s model with its defaults (32 characters, 4 blocks of width 96)."""
+    from recipes.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=32))
+
+
+def llama_7b() -> nn.Module:
+    """A Llama-2-7B-shaped model from transformers' ``LlamaConfig`` (6.74 B parameters): for
+    ``python -m parallelx estimate benchmarks.memory:llama_7b`` (built on the meta device there)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config)
+
+
+FACTORIES: dict[str, Callable[[], nn.Module]] = {"gpt-200m": gpt_200m, "gpt-20m": gpt_20m, "gpt-recipe": gpt_recipe}
+
+
+# ------------------------------------------------------------ measuring
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's shard, a ZeRO-3 parameter's partition."""
     if hasattr(t, "to_local"):
@@ -80,40 +155,103 @@ def live_tensor_bytes(exclude: set[int]) -> int:
     return total
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """This rank's optimizer state (DeepSpeed's wrapper hands out its inner optimizer's)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = getattr(inner, "optimizer", inner)  # ZeRO's wrapper around the torch optimizer
+    return _bytes(_local(v) for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+class Peak:
+    """This process's memory high-water mark over a base: ``VmHWM`` reset at the base on the CPU
+    (``/proc/self/clear_refs``), ``max_memory_allocated`` on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+        else:
+            gc.collect()
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self.base = self._status("VmRSS")
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {field} in /proc/self/status")
+
+    @property
+    def kind(self) -> str:
+        return "max_memory_allocated" if self.device.type == "cuda" else "peak RSS growth"
+
+    def growth(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self._status("VmHWM") - self.base
+
+
 def worker(args: argparse.Namespace) -> int:
-    case = Case(model=args.model, batch=args.batch, image_size=args.image_size, warmup=1, steps=args.steps, lr=0.01)
     backend = parallelx.from_args(args)
     with backend:
-        model = build_model(case)
-        model, optimizer = backend.setup(model, make_optimizer(model, case))
-        batches = synthetic_batches(case, backend.rank, backend.device)
+        peak = Peak(backend.device)
+        phases: dict[str, int] = {}
+        torch.manual_seed(0)
+        if args.model in FACTORIES:
+            with parallelx.init_module() if args.build == "meta" else contextlib.nullcontext():
+                model = FACTORIES[args.model]()
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            g = torch.Generator().manual_seed(backend.rank)
+            vocab = model.lm_head.out_features
+            tokens = torch.randint(0, vocab, (args.batch, args.block + 1), generator=g).to(backend.device)
+            batches = [(tokens[:, :-1], tokens[:, 1:])]
+            steps = 1
+
+            def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        else:
+            case = Case(
+                model=args.model, batch=args.batch, image_size=args.image_size, warmup=1, steps=args.steps, lr=0.01
+            )
+            model = build_model(case)
+            optimizer = make_optimizer(model, case)
+            batches = synthetic_batches(case, backend.rank, backend.device)
+            steps = case.warmup + case.steps
+
+            def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return nn.functional.cross_entropy(model(x), y)
+
+        phases["build"] = peak.growth()
+        model, optimizer = backend.setup(model, optimizer)
+        phases["setup"] = peak.growth()
         data = {t.untyped_storage().data_ptr() for b in batches for t in b}
         times, held = [], {}
-        for i in range(case.warmup + case.steps):
+        for i in range(steps):
             x, y = batches[i % len(batches)]
             start = time.perf_counter()
             with backend.autocast():
-                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss = loss_of(x, y)
             backend.backward(loss)
-            if i == case.warmup + case.steps - 1:  # gradients and optimizer state both alive
+            if i == steps - 1:  # gradients and optimizer state both alive (the state from the step before)
                 params = list(model.parameters())
                 held = {
                     "params": _bytes(_local(p) for p in params),
                     "grads": _bytes(_local(p.grad) for p in params if p.grad is not None),
-                    "model_state": live_tensor_bytes(data),
                 }
             backend.step(optimizer)
-            if i >= case.warmup:
+            if i == 0:
+                phases["step"] = peak.growth()
+            if i >= min(1, steps - 1):
                 times.append(time.perf_counter() - start)
-        peak = (
-            torch.cuda.max_memory_allocated(backend.device)
-            if backend.device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )
+        held["optimizer"] = optimizer_state_bytes(optimizer)
+        held["model_state"] = live_tensor_bytes(data)
         report = {
             **held,
-            "peak": peak,
-            "peak_kind": "max_memory_allocated" if backend.device.type == "cuda" else "peak RSS",
+            "phases": phases,
+            "peak": peak.growth(),
+            "peak_kind": peak.kind,
             "step_s": statistics.median(times),
             "world_size": backend.world_size,
             "comm": dist.get_backend() if dist.is_initialized() else None,
@@ -124,8 +262,9 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------ the runs
 def run_case(name: str, nproc: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    backend, extra = CASES[name]
+    backend, extra, _ = CASES[name]
     for file, config in CONFIGS.items():
         (work / file).write_text(json.dumps(config))
     extra = [a.format(work=work) for a in extra]
@@ -141,10 +280,14 @@ def run_case(name: str, nproc: int, args: argparse.Namespace, work: Path) -> lis
         args.model,
         "--batch",
         str(args.batch),
+        "--block",
+        str(args.block),
         "--image-size",
         str(args.image_size),
         "--steps",
         str(args.steps),
+        "--build",
+        args.build,
         "--out",
         str(out),
         *(["--precision", args.precision] if args.precision else []),
@@ -166,28 +309,65 @@ def run_case(name: str, nproc: int, args: argparse.Namespace, work: Path) -> lis
     return json.loads(out.read_text())
 
 
-def table(results: dict[str, dict[int, list[dict[str, Any]]]]) -> str:
+def sharded_over(name: str, nproc: int) -> int:
+    """The ranks that case ``name`` shards over at ``nproc`` processes (0: it cannot run there)."""
+    replicas = REPLICAS.get(name, 1)
+    return 0 if nproc % replicas else nproc // replicas
+
+
+def estimates(args: argparse.Namespace, nprocs: list[int]) -> dict[str, dict[int, estimate.RankMemory]]:
+    """The estimate's row for each case and world size (GPT models: AdamW; image models: SGD with momentum)."""
+    if args.model in FACTORIES:
+        with torch.device("meta"):
+            model = FACTORIES[args.model]()
+        training = estimate.Training(optimizer="adamw", precision=args.precision or "32", build=args.build)
+    else:
+        with torch.device("meta"):
+            model = build_model(
+                Case(model=args.model, batch=args.batch, image_size=args.image_size, warmup=0, steps=1, lr=0.01)
+            )
+        training = estimate.Training(optimizer="sgd-momentum", precision=args.precision or "32")
+    counts = estimate.count_model(model)
+    out: dict[str, dict[int, estimate.RankMemory]] = {}
+    for name, (backend, _, row) in CASES.items():
+        cls = parallelx.backend_class(backend)
+        for n in nprocs:
+            shards = sharded_over(name, n)
+            if not shards:
+                continue
+            found = [r for r in cls.estimate_memory(counts, shards, training) if r.backend == row]
+            if found:
+                out.setdefault(name, {})[n] = found[0]
+    return out
+
+
+def table(results: dict[str, dict[int, list[dict[str, Any]]]], predicted: dict[str, dict[int, Any]]) -> str:
     mib = 2**20
     lines = [
-        "| case | processes | params / rank | grads / rank | model state / rank | vs ddp | peak / rank | "
-        "step time vs ddp |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | processes | params / rank | grads / rank | optimizer / rank | model state / rank | "
+        "building | set-up | after a step | vs ddp | estimate: held, peak | step time vs ddp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, by_n in results.items():
         for n, rows in sorted(by_n.items()):
             if not rows:
-                lines.append(f"| {name} | {n} | failed | | | | | |")
+                lines.append(f"| {name} | {n} | failed |" + " |" * 10)
                 continue
             ddp = results.get("ddp", {}).get(n) or rows
-            worst = max(rows, key=lambda r: r["model_state"])
-            ratio = worst["model_state"] / max(r["model_state"] for r in ddp)
+            worst = max(rows, key=lambda r: r["peak"])
+            phase = {p: max(r["phases"][p] for r in rows) for p in PHASES}
+            ddp_step = max(r["phases"]["step"] for r in ddp)
             speed = statistics.mean(r["step_s"] for r in rows) / statistics.mean(r["step_s"] for r in ddp)
+            guess = predicted.get(name, {}).get(n)
+            est = f"{guess.steady / mib:.0f}, {guess.peak / mib:.0f} MiB" if guess else "-"
             lines.append(
                 f"| {name} | {n} | {worst['params'] / mib:.0f} MiB | {worst['grads'] / mib:.0f} MiB | "
-                f"{worst['model_state'] / mib:.0f} MiB | {ratio:.2f} | "
-                f"{max(r['peak'] for r in rows) / mib:.0f} MiB ({rows[0]['peak_kind']}) | {speed:.2f} |"
+                f"{worst['optimizer'] / mib:.0f} MiB | {worst['model_state'] / mib:.0f} MiB | "
+                f"{phase['build'] / mib:.0f} MiB | {phase['setup'] / mib:.0f} MiB | {phase['step'] / mib:.0f} MiB | "
+                f"{phase['step'] / ddp_step:.2f} | {est} | {speed:.2f} |"
             )
-    return "\n".join(lines) + "\n"
+    kind = next((r["peak_kind"] for by_n in results.values() for rows in by_n.values() for r in rows), "peak")
+    return "\n".join(lines) + f"\n\nbuilding, set-up, after a step: the largest rank's {kind}, cumulative.\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,11 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     parallelx.add_arguments(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    p.add_argument("--model", choices=("vgg16", "lenet"), default="vgg16")
-    p.add_argument("--batch", type=int, default=2, help="images per process per step")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="default: all (GPT: ddp fsdp zero3)")
+    p.add_argument("--model", choices=(*IMAGE_MODELS, *GPT_MODELS), default="vgg16")
+    p.add_argument("--batch", type=int, default=2, help="images or sequences per process per step")
+    p.add_argument("--block", type=int, default=64, help="tokens per sequence (GPT models)")
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one untimed (image models)")
+    p.add_argument(
+        "--build",
+        choices=("eager", "meta"),
+        default="eager",
+        help="GPT models: built whole on every rank (eager), or under parallelx.init_module() (meta)",
+    )
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds per launch")
     p.add_argument("--tiny", action="store_true", help="LeNet, 2 processes, ddp and fsdp, 1 step: a smoke test")
     p.add_argument("--out", default=None, help="the JSON results (worker: its rows)")
@@ -208,12 +395,25 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.tiny:
         args.model, args.nproc, args.cases, args.steps = "lenet", [2], ["ddp", "fsdp"], 1
+    if args.cases is None:
+        args.cases = ["ddp", "fsdp", "zero3"] if args.model in FACTORIES else list(CASES)
+    predicted = estimates(args, args.nproc)
     with tempfile.TemporaryDirectory() as work:
-        results = {name: {n: run_case(name, n, args, Path(work)) for n in args.nproc} for name in args.cases}
-    print(table(results), end="")
+        results = {
+            name: {n: run_case(name, n, args, Path(work)) for n in args.nproc if sharded_over(name, n) > 1}
+            for name in args.cases
+        }
+    print(table(results, predicted), end="")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        dumped = {n: {str(k): dataclasses_dict(v) for k, v in by_n.items()} for n, by_n in predicted.items()}
+        Path(args.out).write_text(json.dumps({"results": results, "estimates": dumped}, indent=1))
     return 0 if all(rows for by_n in results.values() for rows in by_n.values()) else 1
+
+
+def dataclasses_dict(row: estimate.RankMemory) -> dict[str, Any]:
+    import dataclasses
+
+    return {**dataclasses.asdict(row), "steady": row.steady, "peak": row.peak}
 
 
 if __name__ == "__main__":

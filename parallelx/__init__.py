@@ -11,6 +11,9 @@ Importing parallelx imports neither horovod nor deepspeed.
 
 from parallelx import _compat  # noqa: F401  (the old module paths of 0.3, for one release)
 from parallelx.backend import Backend, ReduceOp
+from parallelx.bigmodels.export import save_pretrained
+from parallelx.bigmodels.meta import init_module
+from parallelx.bigmodels.pretrained import load_pretrained
 from parallelx.checkpoints.checkpointer import Checkpointer
 from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
 from parallelx.cli import add_arguments, exit_on_error, from_args
@@ -29,6 +32,7 @@ from parallelx.registry import (
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategies.single_process import SingleProcessStrategy
 from parallelx.strategy import BackendSpec, Joined, Options, Strategy
+from parallelx.training.ema import EMA
 from parallelx.training.main_process import get_logger, local_main_process_first, main_process_first
 from parallelx.training.metrics import MetricSums, real_mask
 from parallelx.training.preemption import Preemption
@@ -36,6 +40,7 @@ from parallelx.utils import seed_everything
 from parallelx.version import __version__
 
 __all__ = [
+    "EMA",
     "Backend",
     "BackendSpec",
     "BackendUnavailableError",
@@ -63,12 +68,15 @@ __all__ = [
     "from_args",
     "get_backend",
     "get_logger",
+    "init_module",
     "latest_checkpoint",
+    "load_pretrained",
     "load_training_state",
     "local_main_process_first",
     "main_process_first",
     "real_mask",
     "register_backend",
+    "save_pretrained",
     "save_training_state",
     "seed_everything",
     "warn",

@@ -8,6 +8,8 @@ python -m parallelx launch ddp -n 2 -- -m recipes.cifar10 --data-dir data/cifar1
 python -m parallelx convert-checkpoint RUN_DIR/checkpoints/step-00000120 model.pt
                                                 # a sharded checkpoint as one portable file
 python -m parallelx check -- train.py ARGS      # the same numbers on every backend? (docs/check.md)
+python -m parallelx estimate MODULE:FUNCTION --world-sizes 2,4,8
+                                                # memory per rank on each backend, the model built on meta
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from parallelx.bigmodels import estimate
 from parallelx.check import command as check_command
 from parallelx.checkpoints import sharded
 from parallelx.checkpoints.trainstate import STATE_FILE, latest_checkpoint
@@ -23,7 +26,7 @@ from parallelx.cli import exit_on_error
 from parallelx.errors import ParallelxError
 from parallelx.launching import envreport
 from parallelx.launching.runner import launch
-from parallelx.registry import available_backends, describe, detect_backend, markdown_table
+from parallelx.registry import available_backends, backend_class, describe, detect_backend, markdown_table
 from parallelx.strategy import BackendSpec
 
 
@@ -67,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument("src")
     conv.add_argument("dst")
+    conv.add_argument(
+        "--to",
+        choices=("torch", "safetensors"),
+        default="torch",
+        help="torch: one portable file (default); safetensors: DST is a folder of the model's weights as "
+        "Hugging Face loads them (model.safetensors, or shards and their index), read one tensor at a time",
+    )
+    conv.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help="with --to safetensors: e.g. 5GB (default: one file)"
+    )
     checking = sub.add_parser(
         "check",
         help="prove that a training script gives the same numbers on every backend",
@@ -76,6 +89,26 @@ def main(argv: list[str] | None = None) -> int:
         "2 the check could not run.",
     )
     check_command.add_arguments(checking)
+    guess = sub.add_parser(
+        "estimate",
+        help="memory per rank on each backend and ZeRO stage, the model built on the meta device",
+        description="MODEL: module:function or path/to/file.py:function (a factory called without arguments "
+        "that returns an nn.Module), or a Hugging Face config (config.json, a folder, a hub name).  Nothing is "
+        "allocated: the model is built on the meta device.  Activations are not counted (docs/big-models.md).",
+    )
+    guess.add_argument("model")
+    guess.add_argument(
+        "--world-sizes", type=_world_sizes, default=[2, 4, 8], metavar="N,N", help="processes (default 2,4,8)"
+    )
+    guess.add_argument("--optimizer", choices=list(estimate.OPTIMIZERS), default="adamw", help="default adamw")
+    guess.add_argument("--precision", choices=estimate.PRECISIONS, default="32", help="default 32")
+    guess.add_argument(
+        "--build",
+        choices=("eager", "meta"),
+        default="eager",
+        help="eager: every rank builds the whole model (default); meta: built under parallelx.init_module()",
+    )
+    guess.add_argument("--backends", default=None, metavar="A,B", help="default: every backend registered")
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
     target = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -88,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             return envreport.network_main(args.master_addr, args.master_port, args.wait)
         return envreport.main(_descriptions(), detect_backend())
     if args.command == "convert-checkpoint":
-        return _convert(Path(args.src), Path(args.dst))
+        return _convert(Path(args.src), Path(args.dst), args.to, args.max_shard_size)
     if args.command == "check":
         return check_command.main(args, target)
+    if args.command == "estimate":
+        return _estimate(args)
     return _launch(args.backend, args.nproc, target, dry_run=args.dry_run)
 
 
@@ -107,10 +142,48 @@ def _descriptions() -> dict[str, BackendSpec | Exception]:
     return out
 
 
-def _convert(src: Path, dst: Path) -> int:
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected processes such as 2,4,8, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected processes >= 1 such as 2,4,8, got {text!r}")
+    return sizes
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    training = estimate.Training(optimizer=args.optimizer, precision=args.precision, build=args.build)
+    model, what = estimate.build_on_meta(args.model)
+    counts = estimate.count_model(model)
+    names = [n for n in available_backends() if n != "auto"]
+    if args.backends:
+        asked = [n.strip() for n in args.backends.split(",") if n.strip()]
+        unknown = [n for n in asked if n not in names]
+        if unknown:
+            raise ParallelxError(f"unknown backend {', '.join(unknown)}; valid backends are: {', '.join(names)}")
+        names = asked
+    rows = []
+    for name in names:
+        cls = backend_class(name)
+        sizes = args.world_sizes if cls.spec.launcher.multi_process else [1]
+        found = [row for n in sizes for row in cls.estimate_memory(counts, n, training)]
+        order = list(dict.fromkeys(row.backend for row in found))  # a backend's variants, each at every size
+        rows += sorted(found, key=lambda row: (order.index(row.backend), row.world_size))
+    print(estimate.describe(counts, what))
+    print(f"per rank, {args.optimizer}, precision {args.precision}, {args.build} build; activations not counted\n")
+    print(estimate.table(rows), end="")
+    return 0
+
+
+def _convert(src: Path, dst: Path, to: str = "torch", max_shard_size: str | None = None) -> int:
     found = src if (src / STATE_FILE).is_file() else latest_checkpoint(src)
     if found is None:
         raise ParallelxError(f"{src} holds no training-state checkpoint (no {STATE_FILE}, no checkpoints/latest)")
+    if to == "safetensors":
+        files = sharded.convert_to_safetensors(found / STATE_FILE, dst, max_shard_size=max_shard_size)
+        print(f"wrote {len(files)} safetensors file(s) under {dst} from {found}")
+        return 0
     print(f"wrote {sharded.convert(found / STATE_FILE, dst)} from {found}")
     return 0
 

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import importlib
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, Generic, TypeVar, final
@@ -40,7 +41,10 @@ import torch
 from torch import nn
 
 from parallelx import log
+from parallelx.bigmodels.meta import has_meta
 from parallelx.errors import LaunchError, ParallelxError
+from parallelx.forensics import exchange as forensics
+from parallelx.forensics import record
 from parallelx.launching.environments import ClusterEnvironment, detect_environment
 from parallelx.observability import Monitor, MonitorOptions
 from parallelx.parts import gather, portable
@@ -93,6 +97,9 @@ class Observer:
 
     def made_sampler(self, sampler: ShardedSampler, dataset: Sized) -> ShardedSampler:
         return sampler
+
+    def made_average(self, average: Any) -> None:
+        """A weight average (:class:`parallelx.EMA`) made beside a model set up on this backend."""
 
     def finish(self) -> None:
         """At ``shutdown()``: every rank is there, so a collective is safe."""
@@ -309,6 +316,14 @@ class Backend:
         run.on_rejoin[:] = [lambda new: setattr(loop, "comm", new.comm)]
         self._observers = [o for o in (make(self) for make in observers_from_environment()) if o is not None]
         self._virtual_ranks = max([o.virtual_ranks for o in self._observers], default=0)
+        # Every rank's record compared on a timeout or an error (parallelx.forensics, docs/hangs.md).
+        forensics.start(
+            self.rank,
+            self.world_size,
+            run.timeout_s,
+            lambda obj: joined.comm.broadcast(obj, 0),
+            stacks_dir=run.stacks_dir,
+        )
         # A script that ends without shutdown() (it raised, or forgot) still
         # releases the process group before the interpreter is torn down, while
         # the threads of its communication library can still take the GIL.
@@ -326,6 +341,7 @@ class Backend:
                     self.monitor.close()  # the last metrics (a collective when reduced), the trackers closed
                     self.strategy.shutdown(failed=False)
             finally:
+                forensics.stop()
                 self.run.joined = None
                 atexit.unregister(self.abort)
                 if self.run.watchdog is not None:
@@ -335,6 +351,9 @@ class Backend:
         """Release what this process holds without waiting for the other ranks
         (they may be dead or stuck): for the error path.  Safe to call more than once."""
         if self.initialized:
+            # Unless __exit__ has already: the error that ends the script, for the other ranks' verdict.
+            forensics.report_failure(getattr(sys, "last_value", None))
+            forensics.stop()
             try:
                 self.monitor.close(failed=True)
                 self.strategy.shutdown(failed=True)
@@ -346,10 +365,11 @@ class Backend:
     def __enter__(self) -> Backend:
         return self.init()
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, *tb: object) -> None:
         if exc_type is None:
             self.shutdown()
         else:
+            forensics.report_failure(exc)
             self.abort()
 
     def _require_init(self) -> TrainingLoop:
@@ -378,6 +398,9 @@ class Backend:
                 "needs, after wrapping (mode default; --compile-mode chooses another)"
             )
             run.compile_options = CompileOptions(enabled=True)
+        if has_meta(model):  # built under parallelx.init_module(): each tensor computed where this backend keeps it
+            with keep_rng_state():
+                self.strategy.materialize(model)
         known = list(model.parameters())
         for observer in self._observers:  # the initial weights, before any broadcast
             observer.before_wrap(model)
@@ -576,9 +599,10 @@ class Backend:
         (gathering sharded state is collective); rank 0 writes, atomically; a
         failure leaves any previous file intact and raises on every rank."""
         self._require_init()
-        portable.save_on_main(
-            self.portable(obj), path, is_main=self.rank == 0, broadcast=lambda error: self.comm.broadcast(error, 0)
-        )
+        with record.call("save", "gathering the state"):
+            portable.save_on_main(
+                self.portable(obj), path, is_main=self.rank == 0, broadcast=lambda error: self.comm.broadcast(error, 0)
+            )
 
     def load(self, path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
         """Read a file written by :meth:`save` (any backend, any world size) onto the CPU."""

@@ -278,6 +278,13 @@ def add_arguments(
         metavar="SECONDS",
         help="give up on a collective after this long (default: $PARALLELX_TIMEOUT or 1800)" + NONE_IN_WORDS,
     )
+    group.add_argument(
+        "--dump-stacks",
+        default=None,
+        metavar="DIR",
+        help="when the ranks part ways, each writes its Python stack to DIR/rank-<N>.txt, named in the verdict "
+        "(default: $PARALLELX_DUMP_STACKS, else none)" + NONE_IN_WORDS,
+    )
     loop = options.add_argument_group("training loop (the same update on every backend)")
     loop.add_argument(
         "--accumulate",
@@ -320,6 +327,14 @@ def add_arguments(
         choices=MODES,
         default=None,
         help="torch.compile's mode (implies --compile; default: default)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--compile-random",
+        choices=("eager", "inductor"),
+        default=None,
+        help="under --compile, dropout and other random operators draw eager's numbers (the same as "
+        "without --compile, on every backend; the default) or inductor's own (faster on GPUs, other "
+        "masks; implies --compile)" + NONE_IN_WORDS,
     )
     model.add_argument(
         "--activation-checkpointing",

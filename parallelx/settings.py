@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 import torch
 
 from parallelx.errors import ParallelxError
+from parallelx.transforms.compiling import CompileOptions
 from parallelx.utils import threads_per_process
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
@@ -89,14 +90,21 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if getattr(args, "timeout", None) is not None:
         options["timeout"] = args.timeout
+    if getattr(args, "dump_stacks", None):
+        options["dump_stacks"] = args.dump_stacks
     if getattr(args, "device", None) not in (None, "auto"):
         options["device"] = args.device
     for key in ("accumulate", "clip_grad_norm", "precision", "grad_compression"):
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     mode = getattr(args, "compile_mode", None)
-    if getattr(args, "compile", False) or mode is not None:
+    randomness = getattr(args, "compile_random", None)
+    if getattr(args, "compile", False) or mode is not None or randomness is not None:
         options["compile"] = mode or True
+        if randomness is not None:
+            options["compile"] = CompileOptions(
+                enabled=True, mode=mode or "default", eager_random=randomness == "eager"
+            )
     if getattr(args, "cpu_offload", False):
         options["cpu_offload"] = True
     checkpointing = getattr(args, "activation_checkpointing", None)

@@ -31,7 +31,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training, layout
+from parallelx.bigmodels.export import Layout, whole_tensors
+from parallelx.bigmodels.meta import materialize
 from parallelx.errors import ParallelxError
+from parallelx.forensics import record
 from parallelx.launching.environments import ClusterEnvironment
 from parallelx.launching.launchers import PYTHON, Launcher
 from parallelx.observability import MonitorOptions
@@ -40,6 +44,7 @@ from parallelx.parts.elastic import Elastic
 from parallelx.parts.gradsync import GradientSync
 from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import Precision
+from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import StateIO
 from parallelx.parts.watchdog import Watchdog
 from parallelx.settings import check_device, check_timeout, common_options, default_timeout, pick_device
@@ -89,6 +94,9 @@ class Options:
 
     #: Seconds a collective may wait (default ``$PARALLELX_TIMEOUT``, else 1800).
     timeout: float | None = None
+    #: A folder where each rank writes its Python stack when the ranks part ways (``--dump-stacks``;
+    #: default ``$PARALLELX_DUMP_STACKS``, else none).
+    dump_stacks: str | os.PathLike[str] | None = None
     #: ``auto``, ``cpu`` or ``cuda`` (``cuda:<local_rank>`` for each process).
     device: str | torch.device | None = None
     verbose: bool = True
@@ -148,6 +156,8 @@ class Run:
             default_timeout() if options.timeout is None else check_timeout(float(options.timeout), "timeout")
         )
         self.device_request: str = check_device(options.device)
+        #: Where each rank's stack goes at a verdict (None: ``$PARALLELX_DUMP_STACKS`` or nowhere).
+        self.stacks_dir = options.dump_stacks or None
         self.verbose = options.verbose
         self.cpu_offload = bool(options.cpu_offload)
         #: Whether and how models are compiled; wrapping a model compiled by the user turns it on.
@@ -194,8 +204,11 @@ class Run:
         return pick_device(self.device_request, index, self.name)
 
     def watch(self, what: str) -> contextlib.AbstractContextManager[Any]:
-        """The watchdog (when the backend needs one) armed around a blocking call."""
-        return self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
+        """The watchdog (when the backend needs one) armed around a blocking call, which the rank's
+        record of its collectives keeps (:mod:`parallelx.forensics.record`)."""
+        return record.watched(
+            what, self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
+        )
 
     # ----------------------------------------------------------- the models
     def models(self) -> list[nn.Module]:
@@ -256,6 +269,13 @@ class Strategy(abc.ABC):
         this backend's own (the registry hands each to the :class:`Options` or to the constructor)."""
         return common_options(args)
 
+    @classmethod
+    def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
+        """What each rank would hold training ``model`` under this backend (``python -m parallelx
+        estimate``), one row per variant (DeepSpeed: each ZeRO stage), built with
+        :func:`parallelx.bigmodels.estimate.layout`.  This default: everything whole on every rank."""
+        return [layout(cls.spec.name, model, world_size, training)]
+
     # ------------------------------------------------------------ the hooks
     def bind(self, run: Run) -> LoopOptions:
         """Take the run (once, at the facade's construction) and return the loop options this backend
@@ -284,6 +304,18 @@ class Strategy(abc.ABC):
         """The elastic part: ``train()`` again in a new world where the launcher can change it."""
         return Elastic()
 
+    def materialize(self, model: nn.Module) -> None:
+        """Give a model built under :func:`parallelx.init_module` (its tensors on the meta device) its
+        weights, in place, before :meth:`wrap_model`: here every tensor, on the run's device, one at a
+        time (one copy per process).  A sharding backend keeps only its slices instead."""
+        materialize(model, self.run.device, who=self.name)
+
+    def weight_pieces(self, model: nn.Module) -> Layout:
+        """A wrapped model's weights for :func:`parallelx.save_pretrained`: every tensor's name, shape
+        and dtype, and the runs of elements this rank writes (here rank 0 writes every tensor whole; a
+        sharding backend has each rank write the elements it keeps, nothing gathered)."""
+        return whole_tensors(unwrap(model), self.run.world.rank)
+
     @abc.abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device and wrap it; the facade applied activation checkpointing first."""
@@ -291,6 +323,11 @@ class Strategy(abc.ABC):
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Wrap an optimizer built on the parameters of a model already wrapped."""
         return optimizer
+
+    def parameter_shards(self, model: nn.Module) -> ParameterShards:
+        """A wrapped model's parameters as this rank holds them (what :class:`parallelx.EMA` averages):
+        whole here; a backend that shards parameters returns this rank's slices."""
+        return ParameterShards(unwrap(model))
 
     def compile(self, wrapped: nn.Module) -> None:
         """Compile a wrapped model as this backend needs (:mod:`parallelx.transforms.compiling`): here, in place."""

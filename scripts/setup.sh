@@ -3,7 +3,7 @@
 #   setup.sh core   torch, torchvision and parallelx's own dependencies: what the DDP demo
 #                   (make train) needs, a few minutes on a fresh machine;
 #   setup.sh all    (the default) everything the tests, lint and docs need besides: DeepSpeed,
-#                   Ray, the trackers, the dev and docs tools, Horovod's build (7 minutes the
+#                   Ray, the trackers, the dev and docs tools, Horovod's build (2.5 minutes the
 #                   first time, then cached), DeepSpeed's op pre-built, and as root the
 #                   Debian packages of the test tier (Slurm, sshd).
 # Both use the same .venv: core first, the rest added on top.  Idempotent per mode: a
@@ -12,8 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODE="${1:-all}"
-# test: as all, but Horovod's build (minutes, the first time) runs in the background while the
-# tests that do not need it run; the tests that do wait for it (tests/support/horovod_build.py).
+# test: what make test needs: all but Horovod (its tests are scenarios: its build alone is 4 CPU-minutes
+# on a fresh machine), Ray, the docs tools and the Debian packages of the scenarios.
 case "$MODE" in
     core | all | test) ;;
     *)
@@ -35,8 +35,8 @@ if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 
-# The test tier's Debian packages: the full set-up only.
-if [ "$MODE" != core ]; then
+# The scenarios' Debian packages (make test-scenarios): the full set-up only.
+if [ "$MODE" = all ]; then
     # A one-machine Slurm for the tests (tests/system/test_slurm.py starts its
     # daemons): Debian's packages, about 20 s.  Only as root; without them those
     # tests skip and say why.
@@ -65,10 +65,14 @@ if [ "$MODE" != core ]; then
     fi
 fi
 
-# Re-install only when the inputs of the install changed: one stamp per mode, each a hash of
-# that mode's inputs.  A full set-up does the core part first (and stamps it), then the rest.
+# Re-install only when the inputs of the install changed: one stamp per step, each a hash of
+# that step's inputs.  A full set-up does the core part first (and stamps it), then the test
+# tools, then the rest.
 core_stamp="$VENV/.parallelx-core"
-all_stamp="$VENV/.parallelx-all"
+test_stamp="$VENV/.parallelx-test" # deepspeed, the trackers, the dev tools (Horovod apart)
+extra_stamp="$VENV/.parallelx-extra" # ray and the docs tools
+horovod_stamp="$VENV/.parallelx-horovod" # Horovod built and checked
+all_stamp="$VENV/.parallelx-all" # all of it
 core_want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 all_want=$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/build_horovod.py | sha256sum | cut -d' ' -f1)
 current() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
@@ -77,15 +81,8 @@ if [ "$MODE" = core ] && current "$core_stamp" "$core_want"; then
     echo "[setup] $VENV is up to date (core)"
     exit 0
 fi
-rest_stamp="$VENV/.parallelx-rest"
-status="$VENV/horovod-build.status"
-if [ "$MODE" != core ] && current "$all_stamp" "$all_want"; then
-    echo "[setup] $VENV is up to date (all)"
-    echo done >"$status"
-    exit 0
-fi
-if [ "$MODE" = test ] && current "$rest_stamp" "$all_want" && [ "$(cat "$status" 2>/dev/null)" = running ]; then
-    echo "[setup] $VENV is up to date but for Horovod, whose build is under way (log: $VENV/horovod-build.log)"
+if current "$all_stamp" "$all_want" || { [ "$MODE" = test ] && current "$test_stamp" "$all_want"; }; then
+    echo "[setup] $VENV is up to date ($MODE)"
     exit 0
 fi
 
@@ -94,10 +91,38 @@ fi
 # otherwise refuse these releases.  Other pip settings (index, proxy) still apply.
 export PIP_CONSTRAINT="$PWD/constraints.txt"
 
+# The installer: uv where it can be had (measured here on a fresh machine: torch and torchvision in
+# 15 s against pip's 150 s; the test tools in 7 s against 130 s), pip otherwise (PARALLELX_INSTALLER=pip
+# forces it).  uv does not read pip's configuration: an index given to pip by its environment variables
+# is handed on, and an install uv cannot do is done again by pip.
+install() {
+    if [ "${PARALLELX_INSTALLER:-uv}" = uv ] && { [ -x "$VENV/bin/uv" ] || "$PY" -m pip install --quiet uv >/dev/null 2>&1; }; then
+        if (
+            [ -n "${PIP_INDEX_URL:-}" ] && export UV_DEFAULT_INDEX="$PIP_INDEX_URL"
+            [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && export UV_INDEX="$PIP_EXTRA_INDEX_URL"
+            [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ] && export SSL_CERT_FILE="$PIP_CERT"
+            # Hard links where uv's cache and the venv share a file system: a copy would hold torch's
+            # 6 GB twice (CI's disk once ran out with it).  A copy where they do not.
+            if [ -z "${UV_LINK_MODE:-}" ]; then
+                cache=$("$VENV/bin/uv" cache dir 2>/dev/null) && mkdir -p "$cache" &&
+                    [ "$(stat -c %d "$cache")" = "$(stat -c %d "$VENV")" ] && export UV_LINK_MODE=hardlink ||
+                    export UV_LINK_MODE=copy
+            fi
+            # Bytecode compiled here, on every core (uv leaves it to the first import otherwise: each
+            # process of the first launch would compile torch again, a minute on 2 cores).
+            "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$PY" --constraint "$PIP_CONSTRAINT" "$@"
+        ); then
+            return 0
+        fi
+        echo "[setup] uv could not install $*; pip instead" >&2
+    fi
+    "$PY" -m pip install --quiet "$@"
+}
+
 if ! current "$core_stamp" "$core_want"; then
     "$PY" -m pip install --quiet --upgrade pip wheel setuptools
-    echo "[setup] installing torch, torchvision and parallelx (core; about 1.5 minutes from fresh)"
-    "$PY" -m pip install --quiet -e .
+    echo "[setup] installing torch, torchvision and parallelx (core; under a minute from fresh)"
+    install -e .
     echo "$core_want" >"$core_stamp"
     echo "[setup] core done in $(($(date +%s) - start)) s"
 fi
@@ -105,7 +130,7 @@ if [ "$MODE" = core ]; then
     exit 0
 fi
 
-# Horovod: built (7 minutes on 2 cores the first time, then cached), its build checked for PyTorch and Gloo.
+# Horovod: built (about 2.5 minutes on 2 cores the first time, then cached), its build checked for PyTorch and Gloo.
 horovod() {
     "$PY" scripts/build_horovod.py || return 1
     local check
@@ -116,53 +141,56 @@ horovod() {
     done
 }
 
-if [ "$MODE" = test ] && ! current "$all_stamp" "$all_want"; then
-    # In the background from here (it needs torch only), below the tests' priority: it takes the cores
-    # that pip's downloads and the tests' waits on launches leave; the tests that need Horovod wait for
-    # its status (tests/support/horovod_build.py).
-    echo running >"$status"
-    echo "[setup] building horovod in the background (log: $VENV/horovod-build.log); the tests that need it wait for it"
-    (
-        renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true # the build's processes inherit it
-        if horovod >"$VENV/horovod-build.log" 2>&1; then
-            echo "$all_want" >"$all_stamp"
-            echo done >"$status"
-        else
-            echo failed >"$status"
-        fi
-    ) </dev/null >/dev/null 2>&1 &
-fi
-
-if ! current "$rest_stamp" "$all_want"; then
-    echo "[setup] installing deepspeed, ray, the trackers, the dev and docs tools (about 2 minutes from fresh)"
-    "$PY" -m pip install --quiet -e ".[deepspeed,ray,trackers,dev,docs]"
+if ! current "$test_stamp" "$all_want"; then
+    echo "[setup] installing deepspeed, the trackers and the dev tools (seconds with uv)"
+    install -e ".[deepspeed,trackers,dev]"
     # DeepSpeed JIT-compiles a shared-memory op for CPU communication on first
     # use (~40 s, cached under TORCH_EXTENSIONS_DIR).  Build it here, in one
-    # process, rather than in two ranks racing at the first launch.
-    "$PY" - <<'PYEOF' || echo "[setup] warning: could not pre-build DeepSpeed's CPU comm op" >&2
+    # process, rather than in two ranks racing at the first launch: for make test in the
+    # background (a launch that needs it meanwhile waits on torch's lock in that folder).
+    prebuild() {
+        "$PY" - <<'PYEOF' || echo "[setup] warning: could not pre-build DeepSpeed's CPU comm op" >&2
 from deepspeed.accelerator import get_accelerator
 if get_accelerator().device_name() == "cpu":
     get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
 PYEOF
-    echo "$all_want" >"$rest_stamp"
+    }
+    if [ "$MODE" = test ]; then
+        prebuild >"$VENV/deepspeed-op-build.log" 2>&1 </dev/null &
+    else
+        prebuild
+    fi
+    echo "$all_want" >"$test_stamp"
 fi
 
+# The tests write up to 3 GiB at once (VGG16 checkpoints of 470 MB each; measured over the whole
+# scenario tier); a disk that fills mid-run fails them late with torch's "unexpected pos".
+disk_check() {
+    local free
+    free=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ -n "$free" ] && [ "$free" -lt 4 ]; then
+        echo "[setup] warning: ${free} GiB free in ${TMPDIR:-/tmp}; the tests need about 4 GiB" >&2
+    fi
+}
+
 if [ "$MODE" = test ]; then
-    echo "[setup] done but for Horovod in $(($(date +%s) - start)) s"
+    disk_check
+    echo "[setup] done (make test's part: no Horovod, Ray or docs tools) in $(($(date +%s) - start)) s"
     exit 0
 fi
 
-if [ "$(cat "$status" 2>/dev/null)" = running ] && pgrep -f "scripts/build_horovod.py" >/dev/null; then
-    echo "[setup] waiting for the Horovod build that make test started in the background"
-    while [ "$(cat "$status")" = running ]; do sleep 5; done
-    if current "$all_stamp" "$all_want"; then
-        echo "[setup] done in $(($(date +%s) - start)) s"
-        exit 0
-    fi
+# The scenarios' and the docs' tools: Ray Train (an 80 MB wheel), MkDocs and its plugins.
+if ! current "$extra_stamp" "$all_want"; then
+    echo "[setup] installing ray and the docs tools (seconds with uv, about 1 minute with pip)"
+    install -e ".[deepspeed,ray,trackers,dev,docs]"
+    echo "$all_want" >"$extra_stamp"
 fi
-echo "[setup] installing horovod (a 7-minute build the first time, then cached)"
-echo running >"$status"
-horovod || { echo failed >"$status"; exit 1; }
-echo done >"$status"
+
+if ! current "$horovod_stamp" "$all_want"; then
+    echo "[setup] installing horovod (a 2-minute build on 2 cores the first time, then cached)"
+    horovod
+    echo "$all_want" >"$horovod_stamp"
+fi
 echo "$all_want" >"$all_stamp"
+disk_check
 echo "[setup] done in $(( $(date +%s) - start )) s"

@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # The launch helpers and the workers the launcher tests start.
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-import horovod_build  # noqa: E402  (from tests/support, just put on the path)
 
 # Variables that a launcher (or a backend's world-of-one fallback) sets.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK")
@@ -72,48 +71,13 @@ _LONGEST = (
 
 def _group(nodeid: str) -> str:
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    group = _SHARED.get(name, name)
-    # While Horovod builds in the background, a group's Horovod cases are a group of their own that runs
-    # last (the xdist controller sees node ids only: a case whose id names it).
-    if horovod_build.building() and "horovod" in nodeid.lower():
-        return f"{group}/horovod"
-    return group
-
-
-def _base(group: str) -> str:
-    return group.removesuffix("/horovod")
+    return _SHARED.get(name, name)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {g: i for i, g in enumerate(_LONGEST)}
-    if not horovod_build.building():
-        # A stable sort: within a group, and among the short ones, the order stays as collected.
-        items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
-        return
-
-    # Horovod's build runs in the background (make test on a new machine): the Horovod cases' groups go
-    # last, and inside the others a test whose code runs Horovod goes after the group's other tests.  The
-    # order depends on the variable alone, never on the build's progress: every xdist worker collects the same.
-    def key(item: pytest.Item) -> tuple[bool, int, bool]:
-        group = _group(item.nodeid)
-        return group.endswith("/horovod"), rank.get(_base(group), len(rank)), horovod_build.needs_horovod(item)
-
-    items.sort(key=key)
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Outermost, before pytest-timeout arms the test's timer: a test that needs Horovod waits for its build."""
-    if horovod_build.building() and horovod_build.needs_horovod(item):
-        horovod_build.wait(fail=False)
-    yield
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """Before its fixtures start any launch: a failed build fails the test with its log."""
-    if horovod_build.building() and horovod_build.needs_horovod(item):
-        horovod_build.wait()
+    # A stable sort: within a group, and among the short ones, the order stays as collected.
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain run may lack
@@ -127,3 +91,14 @@ def pytest_xdist_make_scheduler(config, log):
             return _group(nodeid)
 
     return ByGroup(config, log)
+
+
+def pytest_report_header(config):
+    """Free disk where the tests write (their outputs: a VGG16 checkpoint is 470 MB) and where the
+    venv lives: CI once failed late with torch.save's `unexpected pos` when the disk filled."""
+    import shutil
+    import tempfile
+
+    places = {"temp": Path(tempfile.gettempdir()), "venv": ROOT / ".venv"}
+    free = {name: shutil.disk_usage(p).free / 2**30 for name, p in places.items() if p.exists()}
+    return "disk free: " + ", ".join(f"{name} {gib:.1f} GiB" for name, gib in free.items())

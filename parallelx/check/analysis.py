@@ -427,8 +427,9 @@ class Analysis:
                         f"the first forward gives another loss on {name(run)} than on {name(base)} with the same "
                         f"weights and inputs, and it draws random numbers (dropout): {state}; the backends do not "
                         "share these draws",
-                        "seed once at the start, the same in every run (parallelx.seed_everything(seed)), and draw "
-                        "nothing from the time, the process id or the backend",
+                        "seed once at the start, the same in every run (parallelx.seed_everything(seed)), draw "
+                        "nothing from the time, the process id or the backend, and under --compile keep eager's draws "
+                        "(the default; --compile-random inductor draws other dropout masks)",
                         [base.label, run.label],
                     )
 

@@ -164,6 +164,7 @@ class Probe(Observer):
         self.world = backend.comm.world_size  # the processes (in the reference: 1)
         self.models: list[nn.Module] = []  # as wrap_model returned them
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.averages: list[Any] = []  # the script's weight averages (parallelx.EMA)
         self.steps_done = 0  # optimizer steps of the first optimizer, completed
         self.record: dict[str, Any] = {
             "rank": self.rank,
@@ -396,12 +397,19 @@ class Probe(Observer):
             self._write(f"stopped after {self.steps_done} optimizer steps", weights)
             self._rendezvous_and_exit()
 
+    def made_average(self, average: Any) -> None:
+        self.averages.append(average)
+
     def _weights(self) -> dict[str, torch.Tensor]:
-        """Every wrapped model's whole state (a collective where it is sharded), plain names."""
+        """Every wrapped model's whole state (a collective where it is sharded), plain names; then
+        each weight average's (``ema<i>.``), as it stood before this step's update."""
         out: dict[str, torch.Tensor] = {}
         for i, model in enumerate(self.models):
             for k, v in self.backend.model_state_dict(model).items():
                 out[f"{i}.{k}" if i else k] = v
+        for i, average in enumerate(self.averages):
+            for k, v in average.model_state_dict().items():
+                out[f"ema{i}.{k}"] = v
         return out
 
     # ---------------------------------------------------------------- ending the run

@@ -182,6 +182,7 @@ def run_one(
     steps: int,
     timeout: float,
     cwd: str | os.PathLike[str] | None = None,
+    collective_timeout: float | None = None,
 ) -> RunResult:
     """Launch ``target`` as ``spec`` says and read what its ranks recorded."""
     out = folder / spec.label
@@ -196,7 +197,8 @@ def run_one(
         checkprobe.ENV_WAIT: str(RANK_WAIT_S),
     }
     if "PARALLELX_TIMEOUT" not in os.environ:
-        env["PARALLELX_TIMEOUT"] = str(max(30, int(timeout)))  # a stalled collective ends within the run's time
+        # A stalled collective ends within the run's time, and sooner where the reference's time says so.
+        env["PARALLELX_TIMEOUT"] = str(int(collective_timeout) if collective_timeout else max(30, int(timeout)))
     argv = [*target, "--backend", spec.backend, *spec.extra]
     done = runner.launch(describe(spec.backend).launcher, argv, spec.nproc, timeout=timeout, env=env, cwd=cwd)
     result = RunResult(spec, seconds=done.seconds, returncode=done.returncode, timed_out=done.timed_out)
@@ -242,12 +244,31 @@ def _why_unusable(result: RunResult, launch_error: str | None, output: str) -> s
 LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError", "torch.distributed.elastic", "horovod.runner")
 
 
+#: The verdict every rank prints when the ranks part ways (parallelx.forensics.exchange).
+VERDICT = re.compile(r"parallelx: verdict \(rank \d+\): (.*)")
+
+
+def collective_timeout(reference: RunResult, nproc: int, timeout: float) -> float:
+    """The collective timeout of the check's real runs: twice the one-process reference's own time from
+    its set-up to its last step (so surely more than one step; the whole run where it recorded none) for
+    each of ``nproc`` processes sharing the machine, at least 30 s (a slow rank's set-up) and at most
+    ``timeout``: a script whose ranks part ways is diagnosed in a minute or two, not after the script's
+    own timeout (30 minutes by default)."""
+    steps = reference.rank0().get("steps") if 0 in reference.ranks else None
+    span = float(steps[-1]["seconds"]) if steps else reference.seconds
+    return min(float(timeout), max(30.0, 2.0 * nproc * span))
+
+
 def last_error_line(output: str) -> str:
     """The line of a failed run's output that says why: the script's first
     exception (the others are usually its consequences on the other ranks;
     not the launcher's report of it), else the last line."""
     lines = [PREFIX.sub("", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
+    # Every rank's verdict of a hang or a failed rank names the rank, the call and the line (docs/hangs.md).
+    verdicts = [m.group(1) for ln in lines if (m := VERDICT.search(ln))]
+    if verdicts:
+        return verdicts[0]
     errors = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln) or ln.startswith("error:")]
     own = [ln for ln in errors if not any(k in ln for k in LAUNCHER_ERRORS)]
     if own:
@@ -271,8 +292,13 @@ def run_all(
     reference, floor = reference_specs(specs[0].nproc if specs else 2)
     results: dict[str, RunResult] = {}
 
+    sized: list[float] = []
+
     def go(spec: RunSpec) -> None:
-        results[spec.label] = run_one(spec, target, folder, steps=steps, timeout=timeout, cwd=cwd)
+        limit = sized[0] if sized else None
+        results[spec.label] = run_one(
+            spec, target, folder, steps=steps, timeout=timeout, cwd=cwd, collective_timeout=limit
+        )
 
     if progress:
         progress("the one-process reference and its noise floor")
@@ -280,6 +306,8 @@ def run_all(
     side.start()
     go(reference)
     side.join()
+    if results["reference"].error is None:
+        sized.append(collective_timeout(results["reference"], max((s.nproc for s in specs), default=2), timeout))
     real = []
     for spec in specs:
         if progress:

@@ -50,6 +50,7 @@ from parallelx.checkpoints.trainstate import (
 from parallelx.errors import ParallelxError
 from parallelx.parts.portable import is_optimizer
 from parallelx.parts.sampler import ShardedSampler
+from parallelx.training.ema import EMA, refuse_averaged_model
 from parallelx.training.metrics import MetricSums
 from parallelx.training.preemption import Preemption
 
@@ -78,7 +79,8 @@ class Checkpointer:
                         return
 
     ``parts`` are given by name: models, optimizers, schedulers (anything with
-    ``state_dict``/``load_state_dict``), :class:`~parallelx.ShardedSampler` s
+    ``state_dict``/``load_state_dict``), weight averages (:class:`~parallelx.EMA`,
+    stored whole, resumed into each rank's share), :class:`~parallelx.ShardedSampler` s
     (the training data's: their position is the micro-batches :meth:`batches`
     gave), :class:`~parallelx.MetricSums` (an epoch's sums: zero at each new
     epoch, carried into a resumed one) and plain values (numbers, strings,
@@ -116,6 +118,7 @@ class Checkpointer:
         self.schedulers: dict[str, Any] = {}
         self.samplers: dict[str, ShardedSampler] = {}
         self.sums: dict[str, MetricSums] = {}
+        self.emas: dict[str, EMA] = {}
         self.values: dict[str, Any] = {}
         for name, part in parts.items():
             self._add(name, part)
@@ -145,7 +148,10 @@ class Checkpointer:
     def _add(self, name: str, part: Any) -> None:
         if name == OWN:
             raise ParallelxError(f"Checkpointer: {OWN!r} is its own name; call the part something else")
-        if isinstance(part, nn.Module):
+        if isinstance(part, EMA):
+            self.emas[name] = part
+        elif isinstance(part, nn.Module):
+            refuse_averaged_model(self.backend, part, f"Checkpointer({name}=...)")
             self.models[name] = part
         elif isinstance(part, ShardedSampler):
             self.samplers[name] = part
@@ -161,7 +167,7 @@ class Checkpointer:
             except ParallelxError:
                 raise ParallelxError(
                     f"Checkpointer: {name}= is a {type(part).__name__}, which is neither a model, optimizer, "
-                    "scheduler, sampler, MetricSums nor a plain value (number, string, list, dict, tensor)"
+                    "scheduler, sampler, EMA, MetricSums nor a plain value (number, string, list, dict, tensor)"
                 ) from None
 
     def __getitem__(self, name: str) -> Any:
@@ -387,18 +393,21 @@ class Checkpointer:
         samplers: dict[str, Any] = (
             dict(self.samplers) if loading else {n: self._sampler_state(s) for n, s in self.samplers.items()}
         )
+        emas = {"emas": self.emas} if self.emas else {}
         if len(self.models) == 1 and len(self.optimizers) == 1 and len(self.schedulers) <= 1 and len(samplers) <= 1:
             return {
                 "model": next(iter(self.models.values())),
                 "optimizer": next(iter(self.optimizers.values())),
                 "scheduler": next(iter(self.schedulers.values()), None),
                 "sampler": next(iter(samplers.values()), None),
+                **emas,
             }
         return {
             "models": self.models,
             "optimizers": self.optimizers,
             "schedulers": self.schedulers,
             "samplers": samplers,
+            **emas,
         }
 
     # --------------------------------------------------- SIGTERM, in a with

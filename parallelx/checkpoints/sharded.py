@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from parallelx.bigmodels.export import Layout, Piece, TensorInfo, write_safetensors
 from parallelx.errors import ParallelxError
 from parallelx.parts import portable as checkpoint
 from parallelx.parts.stateio import StateIO, plain_key
@@ -106,3 +108,45 @@ def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
     state["meta"] = {**state["meta"], "sharded": False}
     checkpoint.atomic_save(state, dst)
     return Path(dst)
+
+
+def convert_to_safetensors(
+    state_file: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+) -> list[Path]:
+    """Write the model of the training-state checkpoint whose ``state.pt`` is ``state_file`` (sharded
+    or not) under the folder ``dst`` as Hugging Face and safetensors load it (``model.safetensors``,
+    or shards and their index with ``max_shard_size``).  A sharded checkpoint is read one tensor at a
+    time from its shards, so no more than one tensor is ever whole in memory.  A checkpoint keeps a tied
+    tensor under each of its names, and so does the file.  One process, no launcher."""
+    path = Path(state_file).parent
+    state = checkpoint.load(state_file)
+    if not isinstance(state, dict) or "model" not in state:
+        raise ParallelxError(f"{state_file} is not a training-state checkpoint (no model in it)")
+    if not state.get("meta", {}).get("sharded"):
+        whole = {plain_key(k): v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        tensors = [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in whole.items()]
+        whole_pieces = [Piece(k, 0, v.reshape(-1)) for k, v in whole.items()]
+        return write_safetensors(
+            Layout(tensors, whole_pieces), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path / SHARDS))
+    meta = reader.read_metadata().state_dict_metadata
+    keys = [k for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)]
+    infos = {k: meta[k] for k in keys}
+    tensors = [
+        TensorInfo(plain_key(k[len("model.") :]), tuple(m.size), m.properties.dtype)  # type: ignore[union-attr]
+        for k, m in infos.items()
+    ]
+
+    def read_pieces() -> Iterator[Piece]:
+        for k, info in zip(keys, tensors, strict=True):
+            one = {k: torch.empty(info.shape, dtype=info.dtype)}
+            dcp.load(one, storage_reader=dcp.FileSystemReader(str(path / SHARDS)), no_dist=True)
+            yield Piece(info.name, 0, one[k].reshape(-1))
+
+    return write_safetensors(
+        Layout(tensors, read_pieces()), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+    )

@@ -38,8 +38,9 @@ An optimizer trains the model of its name, or of the longest name its own
 begins with (``gen_opt`` trains ``gen``), or the only model.  Such a
 checkpoint keeps each part under its name (``models``, ``optimizers``,
 ``schedulers``, ``samplers`` in ``state.pt``); a fitting backend's shards go
-to ``parts/<model>/shards/``.  :class:`parallelx.Checkpointer` does all of
-this for a loop.
+to ``parts/<model>/shards/``.  Weight averages (:class:`parallelx.EMA`) go by
+name too, in either layout (``emas={"ema": ema}``): stored whole, resumed into
+each rank's share.  :class:`parallelx.Checkpointer` does all of this for a loop.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from parallelx.parts.state import (  # noqa: F401
     set_rng_state,
 )
 from parallelx.parts.stateio import plain_key
+from parallelx.training.ema import EMA, refuse_averaged_model
 from parallelx.version import __version__
 
 if TYPE_CHECKING:
@@ -176,6 +178,7 @@ def save_training_state(
     optimizers: Mapping[str, Any] | None = None,
     schedulers: Mapping[str, Any] | None = None,
     samplers: Mapping[str, ShardedSampler | Mapping[str, Any]] | None = None,
+    emas: Mapping[str, EMA] | None = None,
 ) -> Path:
     """Write a complete training-state checkpoint for ``step`` under
     ``directory/checkpoints/`` and return its path.  **Every rank must call
@@ -187,7 +190,8 @@ def save_training_state(
     stored as given and returned by :func:`load_training_state`.  ``scaler``
     defaults to the backend's own (``backend.grad_scaler``, under 16-mixed).
     Several models, optimizers, schedulers and samplers go by name instead
-    (``models={...}``, ``optimizers={...}``, ...; see the module's text)."""
+    (``models={...}``, ``optimizers={...}``, ...; see the module's text).
+    ``emas`` are weight averages (:class:`parallelx.EMA`) by name, in either layout."""
     _require_initialized(backend)
     parts = Parts.of(
         "save_training_state", model, optimizer, scheduler, sampler, models, optimizers, schedulers, samplers
@@ -219,6 +223,7 @@ def save_training_state(
         model_states[key] = io.model_state_dict(m)
         for o in its:
             optim_states[o] = io.named_optimizer_state(m, parts.optimizers[o])
+    ema_states = {n: e.state_dict() for n, e in _emas(backend, emas, parts).items()}  # whole (a collective)
     rng = rng_state()
 
     state: dict[str, Any] | None = None
@@ -242,6 +247,8 @@ def save_training_state(
             "loader_seed": loader_seed,
             "extra": None if extra is None else plain(extra, "extra"),
         }
+        if ema_states:
+            state["emas"] = ema_states
         if not one:
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
@@ -267,7 +274,7 @@ def save_training_state(
         if state is not None:
             _write(plain(state), tmp_dir / STATE_FILE)
     except Exception as exc:  # reported to every rank below
-        mine = f"writing the checkpoint failed on rank {backend.rank}: {type(exc).__name__}: {exc}"
+        mine = f"writing the checkpoint failed on rank {backend.rank}: {checkpoint.write_failure(tmp_dir, exc)}"
     try:
         _agree(backend, mine)
     except ParallelxError:
@@ -327,6 +334,7 @@ def load_training_state(
     optimizers: Mapping[str, Any] | None = None,
     schedulers: Mapping[str, Any] | None = None,
     samplers: Mapping[str, ShardedSampler] | None = None,
+    emas: Mapping[str, EMA] | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_training_state` (by any
     backend, at any world size) into the objects given.  **Every rank must call
@@ -371,6 +379,14 @@ def load_training_state(
                 backend.state_io.load_named_optimizer_state(m, parts.optimizers[o], saved.optimizers[o])
     except RuntimeError as exc:  # torch lists every mismatch over many lines: keep the first
         raise ParallelxError(f"checkpoint {path} does not fit this model: {first_line(exc)}") from None
+    saved_emas = state.get("emas") or {}
+    for name, ema in _emas(backend, emas, parts).items():
+        if name not in saved_emas:
+            raise ParallelxError(
+                f"checkpoint {path} holds no weight average named {name!r} (it holds {sorted(saved_emas)}); "
+                f"load it without emas[{name!r}]"
+            )
+        ema.load_state_dict(saved_emas[name])  # scattered into this rank's shares (local)
     for name, target in parts.schedulers.items():
         _load_optional(path, _what("scheduler", name, parts), target, saved.schedulers.get(name))
     if not (default_scaler and state["scaler"] is None):
@@ -401,6 +417,20 @@ def load_training_state(
 
 
 # ---------------------------------------------------------------- helpers
+def _emas(backend: Backend, emas: Mapping[str, EMA] | None, parts: Parts) -> dict[str, EMA]:
+    """The weight averages given, checked (and torch AveragedModels among the models refused where they cannot be)."""
+    for name, m in parts.models.items():
+        refuse_averaged_model(backend, m, f"training-state checkpoint, models[{name!r}]")
+    found = dict(emas or {})
+    wrong = [n for n, e in found.items() if not isinstance(e, EMA)]
+    if wrong:
+        raise ParallelxError(
+            f"emas={{...}} takes parallelx.EMA objects; {wrong[0]!r} is a {type(found[wrong[0]]).__name__} "
+            "(a torch AveragedModel goes with models={...}, where the backend keeps whole weights)"
+        )
+    return found
+
+
 def _require_initialized(backend: Backend) -> None:
     if not backend.initialized:
         raise ParallelxError(f"backend {backend.name!r} is not initialised: call backend.init() first")

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from parallelx.errors import ParallelxError
+from parallelx.forensics import record
 from parallelx.settings import ReduceOp, check_op
 
 T = TypeVar("T")
@@ -78,10 +80,68 @@ class Collectives(abc.ABC):
             out = out.double()
         # Gloo has no AVG: every backend sums and divides, so mean means the same everywhere.
         with self.watch("all_reduce"):
+            record.describe(out)
+            self.agree_shapes("all_reduce", out)
             out = self.reduce_(out, "sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.world_size
         return out.to(tensor.device)
+
+    def agree_shapes(self, kind: str, tensor: torch.Tensor) -> None:
+        """Raise on every rank when the ranks pass tensors of different shapes or dtypes to one
+        collective: Gloo ends the process from a thread of its own on that (``Received data size
+        doesn't match expected size``), before any error can name the call.  One small all-reduce of
+        every rank's shape, beside the collective itself."""
+        if self.world_size <= 1 or not AGREE_SHAPES:
+            return
+        mine = [_KINDS.index(kind) + 1, *_shape_row(tensor)]
+        table = torch.zeros((self.world_size, len(mine)), dtype=torch.int64, device=self.comm_device(tensor))
+        table[self.rank] = torch.tensor(mine, dtype=torch.int64)
+        rows = [tuple(int(n) for n in row) for row in self.reduce_(table, "sum").cpu()]
+        if all(row == rows[0] for row in rows):
+            return
+        if any(row[0] != rows[0][0] for row in rows):
+            kinds = "; ".join(f"rank {r}: {_KINDS[row[0] - 1] if row[0] else '?'}" for r, row in enumerate(rows))
+            raise record.Parted(f"{kind}: the ranks are at different collectives ({kinds})")
+        rows = [row[1:] for row in rows]
+        seen = "; ".join(f"rank {r}: {_shape_text(row)}" for r, row in enumerate(rows))
+        raise ParallelxError(
+            f"{kind}: the ranks passed tensors of different shapes or dtypes ({seen}): every rank must pass the "
+            "same shape and dtype (gather rows of different lengths with backend.all_gather, which pads them)"
+        )
+
+
+#: ``$PARALLELX_AGREE_SHAPES=0`` leaves the shape agreement out (one small all-reduce less per
+#: ``all_reduce`` and tensor ``broadcast``; a mismatch then ends in the transport's own words).
+AGREE_SHAPES = os.environ.get("PARALLELX_AGREE_SHAPES", "1") != "0"
+
+#: The dtypes told apart in :meth:`Collectives.agree_shapes` (others share the last code).
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+_MAX_DIMS = 8
+_KINDS = ["all_reduce", "broadcast"]
+
+
+def _shape_row(tensor: torch.Tensor) -> list[int]:
+    dims = list(tensor.shape)[:_MAX_DIMS]
+    code = _DTYPES.index(tensor.dtype) + 1 if tensor.dtype in _DTYPES else len(_DTYPES) + 1
+    return [code, tensor.dim(), *dims, *([0] * (_MAX_DIMS - len(dims)))]
+
+
+def _shape_text(row: tuple[int, ...]) -> str:
+    code, ndim = row[0], row[1]
+    dtype = str(_DTYPES[code - 1]).replace("torch.", "") if code <= len(_DTYPES) else "other"
+    return f"[{', '.join(str(n) for n in row[2 : 2 + ndim])}] {dtype}"
 
 
 class LocalCollectives(Collectives):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from parallelx.errors import ParallelxError
+from parallelx.forensics import record
 
 #: How each mode is told apart in the exchange.
 _MODES = {(True, True): 1, (True, False): 2, (False, True): 3, (False, False): 4}
@@ -67,7 +68,8 @@ class ForwardLockstep:
         mine = torch.tensor([self.count, mode], dtype=torch.int64)
         # The largest and (negated) the smallest count and mode over the ranks, in one all-reduce.
         both = torch.cat([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        with record.call("forward", _NAMES[mode], group="lockstep"):
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         (high_count, high_mode), (low_count, low_mode) = both[:2].tolist(), (-both[2:]).tolist()
         if high_count == low_count and high_mode == low_mode:
             return

@@ -10,7 +10,9 @@ only walks, writes and reads.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -94,6 +96,27 @@ def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
         raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
 
 
+#: Below this much free space after a failed write, the error says the disk is the likely cause.
+LOW_DISK_BYTES = 1 << 30
+
+
+def write_failure(path: str | os.PathLike[str], exc: BaseException) -> str:
+    """``exc`` of a failed checkpoint write, with the free space of ``path``'s disk when that is the
+    likely cause: torch reports a full disk as ``unexpected pos 469923264 vs 469923152``."""
+    text = f"{type(exc).__name__}: {exc}"
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return text
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    if full or free < LOW_DISK_BYTES:
+        text += f" (the disk holding {where} has {free / 2**20:,.0f} MiB free: a full disk is the likely cause)"
+    return text
+
+
 def save_on_main(
     state: Any, path: str | os.PathLike[str], *, is_main: bool, broadcast: Callable[[str | None], str | None]
 ) -> None:
@@ -105,7 +128,7 @@ def save_on_main(
         try:
             atomic_save(state, path)
         except Exception as exc:  # reported to every rank below
-            error = f"saving {path} failed on rank 0: {type(exc).__name__}: {exc}"
+            error = f"saving {path} failed on rank 0: {write_failure(path, exc)}"
     error = broadcast(error)
     if error is not None:
         raise ParallelxError(error)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelx.errors import LaunchError
+from parallelx.forensics import record
 from parallelx.launching import network
 from parallelx.launching.environments import ClusterEnvironment
 from parallelx.launching.launchers import free_port
@@ -131,8 +132,10 @@ class ProcessGroupCollectives(Collectives):
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         with self.watch("broadcast"):
+            record.describe(obj)
             if isinstance(obj, torch.Tensor):
                 out = obj.detach().to(self.comm_device(obj), copy=True)
+                self.agree_shapes("broadcast", out)
                 wait(dist.broadcast(out, src=src, async_op=True))
                 return cast(T, out.to(obj.device))
             box = [obj]
@@ -152,6 +155,7 @@ class ProcessGroupCollectives(Collectives):
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in sizes]
         with self.watch("all_gather"):
+            record.describe(padded)
             wait(dist.all_gather(parts, padded, async_op=True))
         return [part[:n] for part, n in zip(parts, sizes)]
 

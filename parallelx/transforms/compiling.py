@@ -16,6 +16,15 @@ A model the user compiled before ``setup`` (``torch.compile(model)``, an
 with the backend's options: compiling the whole model before wrapping would
 put DDP's hooks and FSDP's gathers inside one graph.  Checkpoints never see
 compile's ``_orig_mod.`` prefix (:mod:`parallelx.parts.stateio`).
+
+Random operators (dropout) draw eager's numbers by default: inductor's own generator draws other
+masks, so a compiled run with dropout would leave eager's (and the other backends') numbers
+after the first step (8 % apart in the weights after one epoch of the GPT recipe at dropout
+0.1).  Inductor's ``fallback_random`` calls eager's random kernels instead; its cost is
+measured by ``python -m benchmarks.compile --models gpt --dropout 0.1 --compile-random both``
+(docs/transformers.md).  On GPUs, where inductor fuses its Philox draws into the kernels,
+``eager_random=False`` (``--compile-random inductor``) buys that speed back at the price of
+other masks.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ class CompileOptions:
     mode: str = "default"
     #: One graph per compiled module, or an error (torch.compile's ``fullgraph``).
     fullgraph: bool = False
+    #: Random operators draw eager's numbers (inductor's ``fallback_random``), so that compiled and
+    #: eager runs agree with dropout on; False lets inductor draw its own (``--compile-random inductor``).
+    eager_random: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,8 +67,13 @@ class CompileOptions:
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """What ``torch.compile`` / ``nn.Module.compile`` take."""
-        return {"mode": None if self.mode == "default" else self.mode, "fullgraph": self.fullgraph}
+        """What ``torch.compile`` / ``nn.Module.compile`` take.  torch.compile refuses a mode and
+        inductor options together, so the mode is passed as the options it stands for."""
+        from torch._inductor import list_mode_options
+
+        inductor = {} if self.mode == "default" else dict(list_mode_options(self.mode))
+        inductor["fallback_random"] = self.eager_random
+        return {"options": inductor, "fullgraph": self.fullgraph}
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:

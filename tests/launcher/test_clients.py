@@ -13,7 +13,8 @@ import pytest
 import torch
 from launching import launch, require_launcher
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+# Scenarios: users' scripts ported from their docs, each under three or five launchers.
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(600)]
 
 SCRIPT = "tests/support/clients/mnist_port.py"
 RUNS = {

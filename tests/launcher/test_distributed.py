@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from core_runs import core_run, section_reports
+from core_runs import core_cases, core_run, section_reports
 from launching import _BY_LAUNCHER, BLOCK_BACKEND_PACKAGES, ROOT, backend_cases
 
 CASES = backend_cases()  # ZeRO-3 shards the parameters themselves: saving must gather them collectively
@@ -27,7 +27,7 @@ DATASET_SIZE = 23
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=core_cases())
 def job(request, tmp_path_factory):
     out, _ = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/support/core_runs.py)
     return {

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from launching import backend_cases, launch, rel_err, require_launcher
+from launching import backend_cases, in_make_test, launch, rel_err, require_launcher
 
 EPOCHS, SEED = 2, 0
 # single sees the global batch (2 x 32) in one process: the same update as the others.
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(240)]
 _DONE: dict[str, dict[str, torch.Tensor]] = {}
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", in_make_test(RUNS, "single"))
 def test_example_runs_and_agrees_under_every_launcher(run, tmp_path):
     launcher, backend, extra = RUNS[run]
     require_launcher(launcher)

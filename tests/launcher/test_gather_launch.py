@@ -5,7 +5,7 @@ each, on the CPU: one launch per launcher runs every check
 from __future__ import annotations
 
 import pytest
-from core_runs import core_run, section_reports
+from core_runs import core_cases, core_run, section_reports
 from launching import backend_cases
 
 # ZeRO-3 partitions the parameters: the converted BatchNorm must still see whole ones.
@@ -17,7 +17,7 @@ TOL = 1e-6
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=core_cases())
 def job(request, tmp_path_factory):
     _, res = core_run(request.param, tmp_path_factory)  # the case's one core launch (tests/support/core_runs.py)
     reports = section_reports(request.param, "gather", tmp_path_factory)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_runs import core_run, section_reports
+from core_runs import core_cases, core_run, section_reports
 from launching import backend_cases
 
 CASES = backend_cases()
@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 _JOBS: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=core_cases())
 def job(request, tmp_path_factory):
     out = core_run(request.param, tmp_path_factory)[0] / "loops"  # the case's one core launch (conftest.py)
     reports = section_reports(request.param, "loops", tmp_path_factory)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import launch, require_launcher
+from launching import in_make_test, launch, require_launcher
 
 import parallelx
 from benchmarks import stats
@@ -39,7 +39,7 @@ def plan(backend: str, out: Path) -> Plan:
     return Plan(impl=f"same-{backend}", nproc=NPROC, threads=max(1, cpu_cores() // NPROC), out=str(out), cases=[case])
 
 
-@pytest.mark.parametrize("backend", ["ddp", "horovod", "deepspeed"])
+@pytest.mark.parametrize("backend", in_make_test(["ddp", "horovod", "deepspeed"]))
 def test_parallelx_trains_the_same_weights_as_the_plain_framework(backend, tmp_path, record_property):
     launcher = parallelx.describe(backend).launcher
     require_launcher(launcher.name)

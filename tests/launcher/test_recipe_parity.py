@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import backend_cases, launch, require_launcher
+from launching import backend_cases, in_make_test, launch, require_launcher
 from recipe_outputs import check_cifar_metrics, check_gpt_metrics, check_gpt_outputs, check_outputs
 
 # ZeRO-1 reduces once per window as ddp does, and the GPT recipe's launch below checks it to ddp's bits
@@ -88,7 +88,7 @@ def cifar_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", in_make_test(RUNS))
 def test_recipe_weights_equal_across_backends(run, cifar_dir, tmp_path):
     launcher, backend, extra = RUNS[run]
     require_launcher(launcher)
@@ -133,7 +133,7 @@ GPT_RUNS = {
 _GPT_DONE: dict[str, dict[str, torch.Tensor]] = {}
 
 
-@pytest.mark.parametrize("run", list(GPT_RUNS))
+@pytest.mark.parametrize("run", in_make_test(GPT_RUNS))
 def test_gpt_recipe_under_every_backend(run, tmp_path):
     launcher, backend, extra = GPT_RUNS[run]
     require_launcher(launcher)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launching import launch, require_launcher
+from launching import in_make_test, launch, require_launcher
 from recipe_outputs import check_cifar_metrics, check_outputs
 
 # (launcher, --backend, extra args).  Val sets have odd sizes: 2 ranks must pad.
@@ -69,7 +69,7 @@ WORLD = {"single": 1, "dp": 1, "ddp": 2, "horovod": 2, "deepspeed": 2}
 
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["single", "dp"])
+@pytest.mark.parametrize("backend", in_make_test(["single", "dp"], "single"))
 def test_cifar10_recipe(backend, cifar_dir, tmp_path):
     out = tmp_path / "out"
     res = run_recipe("cifar10", backend, cifar_dir, out, "--batch-size", "32")
@@ -79,7 +79,7 @@ def test_cifar10_recipe(backend, cifar_dir, tmp_path):
 
 @pytest.mark.launcher
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "single"])
+@pytest.mark.parametrize("backend", in_make_test([b for b in BACKENDS if b != "single"]))
 def test_dogcat_recipe(backend, dogcat_dir, tmp_path):
     from recipes.data import load_dogcat
     from recipes.models import evaluate_state_dict, vgg16_for_dogcat

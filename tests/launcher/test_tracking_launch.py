@@ -32,9 +32,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from launching import backend_cases, launch, require_launcher
+from launching import backend_cases, in_make_test, launch, require_launcher
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+# Scenarios: the trackers under the launchers (tests/unit/test_tracking.py reads them back in make test).
+pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 WORKER = "tests/support/tracking_worker.py"
 EPOCHS, BATCH, TRAIN = 2, 16, 256
@@ -151,7 +152,7 @@ def check_throughput(series: dict[str, list[tuple[int, float]]], record: dict, *
     assert all(parts[s] <= step[s] * 1.001 for s in wall), f"{where}: the step's parts exceed the step: {parts} {step}"
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", in_make_test(RUNS, "ddp", "deepspeed-zero3"))
 def test_trackers_read_back_what_the_script_logged(run, tmp_path, monkeypatch):
     launcher, backend, extra, own = RUNS[run]
     require_launcher(launcher)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from core_runs import core_run
+from core_runs import core_cases, core_run
 from launching import backend_cases
 from trainstate_worker import max_diff
 
@@ -33,7 +33,7 @@ def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return core_run(name, tmp_path_factory)[0] / "trainstate"
 
 
-@pytest.fixture(params=list(CASES), ids=list(CASES))
+@pytest.fixture(params=core_cases())
 def case(request, tmp_path_factory):
     return request.param, run_case(request.param, tmp_path_factory)
 
@@ -100,6 +100,7 @@ def test_zero3_checkpoint_loads_into_ddp(optim, tmp_path_factory):
     assert _rel(cross["C"], zero3["B"]) <= REL_TOL, "ddp continues ZeRO-3's run (up to reduction order)"
 
 
+@pytest.mark.scenario  # ZeRO-2's core launch is a scenario
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_ddp_checkpoint_loads_into_zero2(optim, tmp_path_factory):
     out = run_case("deepspeed-zero2", tmp_path_factory)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_runs import core_run, section_reports
+from core_runs import core_cases, core_run, section_reports
 from launching import backend_cases, rel_err
 
 CASES = backend_cases()
@@ -49,7 +49,7 @@ def without_key_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+@pytest.fixture(scope="module", params=core_cases())
 def job(request, tmp_path_factory):
     out = core_run(request.param, tmp_path_factory)[0] / "transformer"
     return {

@@ -6,7 +6,8 @@ For each backend: the GPT (``gpt.GPT``, nanoGPT's ``bias=False``) trained for
 a few AdamW steps with accumulation, eager and compiled, from the same
 start; the compiled run's portable checkpoint, which must load into the
 plain model; a training-state checkpoint of the compiled run resumed by an
-eager one; and on ddp a model the user compiled before ``setup``.  Rank 0
+eager one; and on ddp a model the user compiled before ``setup``, and the GPT with dropout
+compiled twice: drawing eager's masks (the default) and inductor's own (``eager_random=False``).  Rank 0
 writes ``<out>/report.json`` and the weights, ``<out>/<backend>-<mode>.pt``.
 """
 
@@ -48,6 +49,28 @@ def run(
         backend, out / f"run-{tag}", step=STEPS, model=model, optimizer=optimizer, counters={"step": STEPS}
     )
     return {"weights": weights, "first_s": first, "total_s": total, "model": model, "optimizer": optimizer}
+
+
+def dropout_runs(out: Path) -> dict[str, float]:
+    """The GPT with dropout 0.1 on ddp: the compiled runs' largest relative difference from eager's
+    weights, with eager's random draws (the default) and with inductor's."""
+    from parallelx.transforms.compiling import CompileOptions
+
+    cfg = Config(bias=False, dropout=0.1)
+    weights = {}
+    for tag, compile_ in (
+        ("eager", False),
+        ("eager_random", True),
+        ("inductor_random", CompileOptions(enabled=True, eager_random=False)),
+    ):
+        backend = parallelx.get_backend("ddp", accumulate=ACCUMULATE, clip_grad_norm=1.0, compile=compile_).init()
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        torch.manual_seed(7)  # the masks' generator, the same for every run
+        weights[tag] = run(backend, model, out, f"dropout-{tag}")["weights"]
+        backend.shutdown()  # the process group stays: the first backend of main() made it
+    eager = weights.pop("eager")
+    return {tag: max(float((w[k] - eager[k]).norm() / eager[k].norm()) for k in eager) for tag, w in weights.items()}
 
 
 def main() -> int:
@@ -100,6 +123,7 @@ def main() -> int:
                 for k in eager["weights"]
             )
             entry["user_compiled_keys"] = sorted(user["weights"])[:3]
+            entry["dropout_rel"] = dropout_runs(args.out)
         report[name] = entry
         if eager_backend.rank == 0:
             torch.save(eager["weights"], args.out / f"{name}-eager-weights.pt")

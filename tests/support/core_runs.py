@@ -7,12 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import BACKEND_CASES, Result, launch, require_launcher
+from launching import BACKEND_CASES, Result, in_make_test, launch, require_launcher
 
 #: The trainstate section continues another backend's checkpoint: ddp
 #: ZeRO-3's, ZeRO-2 ddp's, fsdp ddp's, ZeRO-1 fsdp's (both directions across backends).
 LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp", "fsdp": "ddp", "deepspeed-zero1": "fsdp"}
 _RUNS: dict[str, tuple[Path, Result]] = {}
+#: The cases whose core launch make test runs: torchrun's backends and DeepSpeed's launcher at the stage
+#: that partitions the optimizer state and at the one that partitions the parameters; ZeRO-0, ZeRO-2
+#: and Horovod (whose build alone takes 4 CPU-minutes on a fresh machine) are scenarios, which CI runs
+#: after make test.
+IN_MAKE_TEST = ("ddp", "deepspeed-zero1", "deepspeed-zero3", "fsdp")
+
+
+def core_cases() -> list:
+    """The backend cases as the core launches' pytest params (see :data:`IN_MAKE_TEST`)."""
+    return in_make_test(BACKEND_CASES, *IN_MAKE_TEST)
 
 
 def core_run(case: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:

@@ -6,15 +6,16 @@ own :class:`parallelx.launching.launchers.Launcher`, and the jobs run through
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import horovod_build
 import pytest
 import torch
 
@@ -36,7 +37,11 @@ class Result:
     seconds: float
 
     def tail(self, n: int = 60) -> str:
-        return "\n".join(self.output.splitlines()[-n:])
+        """The last ``n`` lines, after the lines that say why a process aborted when one did (a C++
+        exception out of a transport's thread: they scroll out of the tail behind the stack dump)."""
+        lines = self.output.splitlines()
+        why = [ln for ln in lines[:-n] if any(k in ln for k in ("terminate called", "what():", "Fatal Python error"))]
+        return "\n".join([*(["[why it aborted]", *why[:10], "[the tail]"] if why else []), *lines[-n:]])
 
 
 #: Every distributed backend under its own launcher, DeepSpeed at each ZeRO
@@ -53,6 +58,16 @@ BACKEND_CASES: dict[str, tuple[str, str, list[str]]] = {
 def backend_cases(*names: str) -> dict[str, tuple[str, str, list[str]]]:
     """The named entries of :data:`BACKEND_CASES` (all of them when none is named)."""
     return {n: BACKEND_CASES[n] for n in (names or BACKEND_CASES)}
+
+
+def in_make_test(cases: Iterable[str], *quick: str) -> list[Any]:
+    """``cases``' names as pytest params: those in ``quick`` run in make test, the others are marked
+    ``scenario`` (make test-scenarios, which CI runs too), to hold make test's time (15 minutes from
+    a fresh clone).  Every backend runs under its own launcher in make test all the same: the core
+    launch of each (``tests/support/core_runs.py``) runs the checks of five modules."""
+    unknown = set(quick) - set(cases)
+    assert not unknown, f"in_make_test: {sorted(unknown)} are not among {list(cases)}"
+    return [c if c in quick else pytest.param(c, marks=pytest.mark.scenario) for c in cases]
 
 
 def launcher_for(launcher: str) -> Launcher:
@@ -79,6 +94,26 @@ def launch(
     return Result(done.returncode, done.output, done.seconds)
 
 
+def worker_reports(
+    case: str,
+    cases: dict[str, tuple[str, str, list[str]]],
+    worker: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    timeout: float,
+) -> list[dict]:
+    """Launch ``tests/support/<worker>`` for ``case`` of ``cases`` (launcher, backend, extra
+    arguments) at 2 processes, and read back each rank's ``rank<r>.json`` from its ``--out``."""
+    launcher, backend, extra = cases[case]
+    require_launcher(launcher)
+    out = tmp_path_factory.mktemp(f"{Path(worker).stem}-{case}")
+    res = launch(
+        launcher, [f"tests/support/{worker}", "--backend", backend, "--out", str(out), *extra], timeout=timeout
+    )
+    assert res.returncode == 0, f"{launcher} {worker} job of {case} failed:\n{res.tail(80)}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 def run_with_grace(
     cmd: list[str], *, timeout: float, grace: float, what: str, env: dict[str, str] | None = None
 ) -> tuple[int, str]:
@@ -96,8 +131,6 @@ def run_with_grace(
 def require_launcher(launcher: str) -> None:
     """Skip only when the launcher is genuinely not installed (never in CI,
     whose set-up installs all of them)."""
-    if launcher == "horovodrun":
-        horovod_build.wait()  # make test on a new machine builds it in the background
     if launcher_for(launcher).program_path() is None:
         if os.environ.get("CI"):
             pytest.fail(f"{launcher} is not installed; run scripts/setup.sh")

@@ -96,7 +96,9 @@ def test_launch_command_comes_from_the_backends_declaration(capsys):
     from parallelx.__main__ import main
 
     # In this process (the dry run starts nothing); the command line's own exit below runs as users run it.
-    for name in ("ddp", "horovod", "deepspeed", "single"):
+    # Horovod's launcher where it is installed (make setup builds it; make test's set-up does not).
+    installed = parallelx.describe("horovod").launcher.program_path() is not None
+    for name in ("ddp", "horovod", "deepspeed", "single") if installed else ("ddp", "deepspeed", "single"):
         capsys.readouterr()
         assert main(["launch", name, "-n", "3", "--dry-run", "--", "-m", "recipes.cifar10", "--epochs", "1"]) == 0
         expected = parallelx.describe(name).launcher.command(

@@ -15,7 +15,12 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.mark.launcher
 @pytest.mark.parametrize(
-    "launcher,backend", [("torchrun", "ddp"), ("horovodrun", "horovod"), ("deepspeed", "deepspeed")]
+    "launcher,backend",
+    [
+        ("torchrun", "ddp"),
+        pytest.param("horovodrun", "horovod", marks=pytest.mark.scenario),
+        pytest.param("deepspeed", "deepspeed", marks=pytest.mark.scenario),
+    ],
 )
 def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
     require_launcher(launcher)
@@ -32,7 +37,13 @@ def test_a_rank_that_raises_ends_the_whole_job(launcher, backend, tmp_path):
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("launcher,backend", [("torchrun", "ddp"), ("deepspeed", "deepspeed")])
+@pytest.mark.parametrize(
+    "launcher,backend",
+    [
+        pytest.param("torchrun", "ddp", marks=pytest.mark.scenario),
+        pytest.param("deepspeed", "deepspeed", marks=pytest.mark.scenario),
+    ],
+)
 def test_a_stalled_rank_times_out_the_collective(launcher, backend, tmp_path):
     require_launcher(launcher)
     # Rank 1 sleeps 120 s; rank 0's all_reduce must give up after the 5 s timeout.
@@ -101,6 +112,7 @@ def test_ddp_outside_a_launcher_runs_as_a_world_of_one(tmp_path):
     assert report["world_size"] == 1 and report["max_rel_err_vs_single_b"] < 1e-6
 
 
+@pytest.mark.scenario  # Horovod is built by make setup, not make test's set-up
 def test_horovod_outside_its_launcher_says_how_to_launch_more(tmp_path):
     require_launcher("horovodrun")
     proc = run_worker(["--backend", "horovod", "--out", str(tmp_path)])

@@ -33,6 +33,8 @@ import pytest
 from engines import ARGS, assert_bitwise, assert_exact_metrics, job_env, rel_err, resumed_from, weights
 from launching import BIN, ROOT, latest_step, require_launcher, wait_for
 from netns import Cluster, Job, run_on_nodes, sweep, unavailable
+from verdicts import WORKER, one_verdict
+from verdicts import lines as marked_lines
 
 from parallelx.checkpoints.trainstate import STATE_FILE, latest_checkpoint
 from parallelx.launching.launchers import free_port
@@ -81,7 +83,9 @@ def recipe(out: Path, data: Path, *extra: str, script: str = "-m recipes.cifar10
     return [*script.split(), "--data-dir", str(data), "--out-dir", str(out), *ARGS, *extra]
 
 
-def torchrun(cluster: Cluster, target: list[str], *, restarts: int = 0, port: int | None = None) -> list[Job]:
+def torchrun(
+    cluster: Cluster, target: list[str], *, restarts: int = 0, port: int | None = None, nproc: int = 1
+) -> list[Job]:
     """torchrun on every node, c10d rendezvous at node 0's address."""
     endpoint = f"{cluster.nodes[0].address}:{port or free_port()}"
     return [
@@ -92,7 +96,7 @@ def torchrun(cluster: Cluster, target: list[str], *, restarts: int = 0, port: in
                 "--nnodes",
                 str(len(cluster.nodes)),
                 "--nproc-per-node",
-                "1",
+                str(nproc),
                 "--max-restarts",
                 str(restarts),
                 "--rdzv-backend",
@@ -137,6 +141,43 @@ def test_torchrun_across_two_nodes_trains_the_one_node_weights(backend, nodes, e
     assert_exact_metrics(out, engine_data, backend, 2)
     assert_same_weights(out, engine_reference, bitwise=backend == "ddp")
     print(f"torchrun {backend}, two nodes: {results[0].seconds:.1f}s")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("backend", "part"), [(["ddp"], "branch"), (["fsdp", "--fsdp-replicate", "1"], "eval")], ids=["ddp", "fsdp"]
+)
+def test_ranks_on_two_nodes_that_part_ways_print_one_verdict_naming_the_rank_and_the_line(
+    nodes, tmp_path, backend, part
+):
+    """The ways ranks part (tests/launcher/test_hangs.py) across two machines: the ranks compare
+    notes over the rendezvous store on node 0; a collective on rank 0 only (ddp), an evaluation on
+    rank 0 only of a model sharded across the two machines (fsdp): both nodes print the verdict."""
+    require_launcher("torchrun")
+    target = [str(WORKER), "--backend", *backend, "--timeout", "10", "--out", str(tmp_path), "--part", part]
+    results = run_on_nodes(torchrun(nodes, target), node_env(), timeout=200, wait_all=True)
+    output = "\n".join(r.output for r in results)
+    assert all(r.returncode != 0 for r in results), output[-4000:]
+    text = one_verdict(output)
+    assert any(line in text for line in marked_lines(part)), text
+    assert "rank 0 ran code the others did not" in text, text
+    print(f"{backend[0]} {part}, two nodes: {text[:160]}")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_across_two_nodes_shards_within_each_and_replicates_across(nodes, engine_data, engine_reference, tmp_path):
+    """Two processes a node: fsdp's default across machines is hybrid sharding (each node a group,
+    the model sharded over its two processes, a whole copy on each node).  Half the batch a process,
+    so every step's global batch is the one-node run's: its weights, within float rounding."""
+    require_launcher("torchrun")
+    out = tmp_path / "out"
+    target = recipe(out, engine_data, "--backend", "fsdp", "--batch-size", "8")
+    results = run_on_nodes(torchrun(nodes, target, nproc=2), node_env(), timeout=240)
+    output = "\n".join(r.output for r in results)
+    assert [r.returncode for r in results] == [0, 0], output[-4000:]
+    assert "fsdp: hybrid sharding, 2 groups of 2 processes" in output, output[-4000:]
+    assert_same_weights(out, engine_reference, bitwise=False)
+    print(f"torchrun fsdp (HSDP), two nodes of two: {results[0].seconds:.1f}s")
 
 
 @pytest.mark.timeout(300)  # a DeepSpeed import per node and launcher: minutes on a busy 2-core machine
@@ -371,7 +412,8 @@ def test_start_up_errors_name_the_address_port_and_what_to_check(nodes, engine_d
 
     def rank(node, r: int, addr: str, port: int) -> Job:  # type: ignore[no-untyped-def]
         env = {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-        cmd = ["env", *(f"{k}={v}" for k, v in env.items()), PY, *recipe(tmp_path / f"out{r}{addr}", engine_data)]
+        args = ["-c", STAMPED, *recipe(tmp_path / f"out{r}{addr}", engine_data)[2:]]  # less `-m recipes.cifar10`
+        cmd = ["env", *(f"{k}={v}" for k, v in env.items()), PY, *args]
         return Job(node, [*cmd, "--backend", "ddp", "--timeout", str(timeout)])
 
     jobs = [
@@ -385,7 +427,10 @@ def test_start_up_errors_name_the_address_port_and_what_to_check(nodes, engine_d
     errors = [[ln for ln in r.output.splitlines() if ln.startswith("error: ")] for r in results]
     for r, lines in zip(results, errors):
         assert r.returncode == 2 and len(lines) == 1, r.output[-3000:]
-        assert r.ended - started < timeout + 30, f"{r.ended - started:.0f}s"
+        # From the rank's own start (its imports done: tens of seconds under a loaded machine's four
+        # starts at once, not the rendezvous's to bound) to its end.
+        imported = float(re.search(r"^imported-at (\S+)$", r.output, re.M).group(1))  # type: ignore[union-attr]
+        assert r.ended - imported < timeout + 30, f"{r.ended - imported:.0f}s after its imports"
     unanswered, in_use, unresolved, itself = (lines[0] for lines in errors)
     assert f"the rendezvous at {silent}:29500 (MASTER_ADDR:MASTER_PORT) could not be reached within {timeout}s" in (
         unanswered
@@ -398,6 +443,12 @@ def test_start_up_errors_name_the_address_port_and_what_to_check(nodes, engine_d
     print(*(f"{r.ended - started:5.1f}s  {lines[0]}" for r, lines in zip(results, errors)), sep="\n")
 
 
+#: The recipe as `-m recipes.cifar10` runs it, after printing when torch and parallelx were imported
+#: (time.monotonic(): one clock for every namespace).
+STAMPED = (
+    "import runpy,sys,time,torch,parallelx;print(f'imported-at {time.monotonic()}',flush=True);"
+    "sys.argv[0]='cifar10';runpy.run_module('recipes.cifar10',run_name='__main__',alter_sys=True)"
+)
 HOLD_PORT = "import socket,sys,time; s=socket.create_server(('',int(sys.argv[1]))); time.sleep(120)"
 PROBE_PORT = "import socket,sys; socket.create_connection(('127.0.0.1',int(sys.argv[1])),timeout=1).close()"
 

@@ -73,6 +73,7 @@ def test_empty_data_directory(tmp_path, capsys):
     assert "not a complete CIFAR-10 folder" in err
 
 
+@pytest.mark.scenario  # a training run on damaged files
 def test_unreadable_images_are_skipped_and_counted(small_dogcat, tmp_path):
     import shutil
 

@@ -523,6 +523,7 @@ def test_end_to_end_option_error_is_one_line():
     assert proc.stderr.strip().count("\n") == 0, "one line, no usage block"
 
 
+@pytest.mark.scenario  # a recipe's process of its own (a minute beside make test's launches)
 def test_end_to_end_data_error_after_backend_init(inputs, tmp_path):
     # Fails in the data loader, inside `with backend:`: released, one line, status 2.
     proc = run(
@@ -542,6 +543,7 @@ def test_end_to_end_data_error_after_backend_init(inputs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.scenario  # a recipe's process of its own (a minute beside make test's launches)
 def test_run_as_a_file_from_elsewhere(inputs, tmp_path):
     # As the deepspeed launcher runs a recipe: a file path, from any directory.
     proc = run(
@@ -564,6 +566,7 @@ def test_run_as_a_file_from_elsewhere(inputs, tmp_path):
     expect_clean_error(proc.stderr, proc.returncode, "not a readable PyTorch file")
 
 
+@pytest.mark.scenario  # a recipe's process of its own (a minute beside make test's launches)
 def test_installed_package_name(inputs, tmp_path):
     import importlib.util
 
@@ -577,6 +580,7 @@ def test_installed_package_name(inputs, tmp_path):
 
 
 @pytest.mark.launcher
+@pytest.mark.scenario
 @pytest.mark.timeout(200)
 def test_data_error_under_torchrun_stops_every_rank(inputs, tmp_path):
     # Both ranks join the process group, then fail in the data loader: each

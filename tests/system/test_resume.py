@@ -224,13 +224,13 @@ def test_torchrun_restarts_after_kills_anywhere_and_ends_bitwise_equal(data, ref
     assert left == ["latest", "step-00000007", "step-00000008"], left  # kept 2, half-written ones removed
 
 
-def test_dogcat_recipe_killed_from_outside_restarts_and_ends_bitwise_equal(tmp_path_factory, tmp_path):
+def test_dogcat_recipe_killed_from_outside_restarts_and_ends_bitwise_equal(tmp_path):
     """The other recipe (VGG16 fine-tuning, 32 px, a loader worker per process):
     rank 1 SIGKILLed from outside after the first checkpoint; torchrun restarts
     both, they resume, and last.pth and history.csv equal the uninterrupted run's."""
     from recipes.make_data import make_dogcat
 
-    dogcat = make_dogcat(tmp_path_factory.mktemp("dogcat"), n_per_class=13, seed=0, csv=True)  # 21 train, 5 val
+    dogcat = make_dogcat(tmp_path / "dogcat", n_per_class=13, seed=0, csv=True)  # 21 train, 5 val
     args = ["--image-size", "32", "--lr", "0.001", "--epochs", "1"]  # 3 micro-batches, 2 steps (accumulate 2)
     env = {"PXT_RECIPE": "dogcat"}
     ref = tmp_path / "ref"

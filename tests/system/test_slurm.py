@@ -17,6 +17,7 @@ import pytest
 from engines import ARGS, assert_bitwise, assert_exact_metrics, job_env, rel_err, resumed_from, run, weights
 from launching import ROOT, latest_step, wait_for
 from slurm_cluster import SlurmCluster, unavailable
+from verdicts import WORKER, lines, one_verdict
 
 from parallelx.launching.launchers import free_port
 
@@ -178,3 +179,20 @@ def test_a_batch_script_running_torchrun_trains_the_reference_weights(slurm, eng
     assert (state, rc) == ("COMPLETED", 0), job_output[-4000:]
     assert_exact_metrics(out, engine_data, "ddp", 2)
     assert_bitwise(out, engine_reference)
+
+
+@pytest.mark.parametrize(("backend", "part"), [("ddp", "branch"), ("deepspeed", "eval")])
+def test_ranks_that_part_ways_under_srun_print_one_verdict_naming_the_rank_and_the_line(slurm, tmp_path, backend, part):
+    """srun's tasks as the ranks (no other launcher; the store is the one parallelx serves from
+    SLURM_* variables): a collective on rank 0 only under ddp, an evaluation on rank 0 only under
+    ZeRO-3; both tasks print the same verdict with the script's line (tests/launcher/test_hangs.py
+    runs the same worker under the other launchers)."""
+    extra = ["--zero-stage", "3"] if backend == "deepspeed" else []
+    cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1", "python", str(WORKER), "--backend", backend, *extra]
+    cmd += ["--timeout", "10", "--out", str(tmp_path), "--part", part]
+    rc, output = run(cmd, slurm.env(job_env()), tmp_path / "job.log", timeout=200)
+    assert rc != 0, output[-3000:]
+    text = one_verdict(output)
+    assert any(line in text for line in lines(part)), text
+    assert "rank 0 ran code the others did not" in text, text
+    print(f"{backend} {part} under srun: {text[:200]}")

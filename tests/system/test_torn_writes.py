@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from launching import ROOT
 from trainstate_worker import Run
@@ -30,6 +31,7 @@ with parallelx.get_backend('single') as backend:
 """
 
 
+@pytest.mark.scenario  # writers killed over and over: a minute
 def test_sigkill_during_writes_never_leaves_a_torn_checkpoint(tmp_path):
     rng = random.Random(0)
     loads = 0

@@ -191,3 +191,23 @@ def test_a_namespace_made_by_hand_still_works(built):
     assert built[-1] == ("single", {"device": "cpu", "monitor": built[-1][1]["monitor"]})
     parallelx.from_args(argparse.Namespace(px_backend="single", px_accumulate=2, backend="x"), prefix="px-")
     assert built[-1][0] == "single" and built[-1][1]["accumulate"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "eager_random", "mode"),
+    [
+        (["--compile"], True, "default"),
+        (["--compile-random", "inductor"], False, "default"),
+        (["--compile-mode", "max-autotune", "--compile-random", "eager"], True, "max-autotune"),
+    ],
+)
+def test_compiled_random_operators_draw_eagers_numbers_unless_told(built, argv, eager_random, mode):
+    from parallelx.transforms.compiling import CompileOptions
+
+    parallelx.from_args(parallelx.add_arguments(argparse.ArgumentParser(), "single").parse_args(argv))
+    options = CompileOptions.of(built[-1][1]["compile"])
+    assert (options.enabled, options.eager_random, options.mode) == (True, eager_random, mode)
+    inductor = options.kwargs["options"]
+    assert inductor["fallback_random"] is eager_random
+    if mode == "max-autotune":  # the mode travels as the options it stands for
+        assert inductor["max_autotune"] is True

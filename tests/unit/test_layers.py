@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "_compat"},
     {"settings", "transforms"},  # timeouts, devices; what is done to a model before and around wrapping
-    {"launching"},  # where the ranks come from, how processes start, the network
-    {"parts"},  # collectives, gradient sync, precision, state in and out, the loop, the sampler, ...
+    {"launching", "forensics"},  # where the ranks come from, how processes start; what each rank was doing
+    {"parts", "bigmodels"},  # collectives, gradient sync, ..., the loop, the sampler; weights in and out
     {"observability"},  # the monitor, throughput, profiles, trackers
     {"strategy"},  # what a backend author subclasses
     {"backend"},  # the facade users call
@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
 #: Packages a module may import inside a function: the optional heavy ones.
 HEAVY = ("deepspeed", "horovod", "torch.distributed", "torchvision", "psutil", "matplotlib", "pandas", "ray")
 HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' packages (observability/trackers/)
+HEAVY += ("torch._inductor",)  # compile's options: only when a model is compiled
 HEAVY += ("torch.utils.flop_counter",)  # it imports triton where torch has it: only when FLOPs are counted
 HEAVY += ("safetensors", "transformers", "huggingface_hub")  # big-model formats, where a user has them
 #: No folder of parallelx/ holds more modules than this (a newcomer reads a folder's names at a glance).
@@ -220,6 +221,8 @@ PRIVATE_READS_ALLOWED = {
     # torch documents its CUDA memory snapshots through these two functions only ("Understanding CUDA Memory Usage").
     ("torch.cuda.memory", "_record_memory_history"): "torch's documented memory-snapshot API",
     ("torch.cuda.memory", "_dump_snapshot"): "torch's documented memory-snapshot API",
+    ("sys", "_current_frames"): "the only way to read another thread's stack (a rank's main thread, for its verdict)",
+    ("dist.distributed_c10d", "_get_default_store"): "torch has no public accessor of the rendezvous store",
 }
 
 

@@ -147,6 +147,40 @@ def test_damaged_checkpoints_fail_with_one_line(backend, tmp_path):
     assert "latest_checkpoint" in _one_line_error(exc)
 
 
+def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(backend, tmp_path, monkeypatch):
+    """torch reports a disk that filled mid-write as `unexpected pos N vs M`; the error adds the
+    disk's free space, and the last complete checkpoint stays the latest."""
+    import shutil
+
+    from parallelx.parts import portable
+
+    a = Run(backend, "sgd")
+    a.train(2)
+    good = a.save(tmp_path)
+    full = RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 469923264 vs 469923152")
+
+    def disk_full(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        f.write(b"\0" * 64)
+        raise full
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=12 << 20))
+    a.train(1)
+    with pytest.raises(ParallelxError) as exc:
+        a.save(tmp_path)
+    msg = _one_line_error(exc)
+    assert "unexpected pos" in msg and "has 12 MiB free: a full disk is the likely cause" in msg, msg
+    assert latest_checkpoint(tmp_path) == good
+    with pytest.raises(ParallelxError) as exc:
+        backend.save(a.model, tmp_path / "model.pt")
+    assert "has 12 MiB free" in _one_line_error(exc) and not (tmp_path / "model.pt").exists()
+    # Plenty of room: the error is the engine's alone, no guess about the disk.
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=50 << 30))
+    assert "free" not in portable.write_failure(tmp_path / "x.pt", full)
+    assert "a full disk" in portable.write_failure(tmp_path / "x.pt", OSError(28, "No space left on device"))
+
+
 def test_other_model_or_optimizer_fails_with_one_line(backend, tmp_path):
     a = Run(backend, "sgd")
     a.train(2)

@@ -1,0 +1,219 @@
+"""Weight files read by slice, and their names matched to a model's.
+
+:func:`open_weights` opens a plain ``torch.save`` state dict (memory-mapped), one ``.safetensors``
+file, or a Hugging Face model folder (``model.safetensors``, or shards with
+``model.safetensors.index.json``; ``pytorch_model.bin``) as one :class:`WeightFile`: names, shapes and
+dtypes from the headers, and :meth:`WeightFile.rows` reading a tensor's dim-0 rows only
+(safetensors' ``get_slice``: only those bytes leave the disk).  :attr:`WeightFile.bytes_read`
+counts what was read, so a test can show that a rank read its share.
+
+:func:`match_names` pairs a model's names with a file's: equal once ``_orig_mod.`` (torch.compile),
+a leading ``module.`` (DDP, DataParallel) and ``_checkpoint_wrapped_module.`` (activation
+checkpointing) are set aside on both sides, as the portable checkpoints match them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallelx.errors import ParallelxError
+
+__all__ = ["INDEX", "WeightFile", "match_names", "normal_name", "open_weights"]
+
+#: The index of a sharded Hugging Face folder.
+INDEX = "model.safetensors.index.json"
+#: Name segments wrappers add, set aside when names are matched.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def normal_name(name: str) -> str:
+    """``name`` without wrappers' segments and a leading ``module.``."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+@dataclasses.dataclass
+class WeightFile:
+    """Tensors on disk, by name, read a slice at a time."""
+
+    #: name -> (file, shape, dtype)
+    entries: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]
+    #: Bytes handed out by :meth:`rows` so far (what left the disk, rounded to rows).
+    bytes_read: int = 0
+    _handles: dict[Path, Any] = dataclasses.field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][2]
+
+    def total_bytes(self) -> int:
+        return sum(_numel(s) * d.itemsize for _, s, d in self.entries.values())
+
+    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (all of it by default), in memory of their own."""
+        path, shape, _ = self.entries[name]
+        handle = self._open(path)
+        if path.suffix == ".safetensors":
+            piece = handle.get_slice(name)
+            value = piece[start:stop] if shape else piece[:]
+            value = value.clone() if not value.is_contiguous() else value
+        else:  # a memory-mapped torch.save file: only the pages of the rows are touched
+            whole = handle[name]
+            value = (whole[start:stop] if shape else whole).clone()
+        self.bytes_read += value.numel() * value.element_size()
+        return value
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def _open(self, path: Path) -> Any:
+        handle = self._handles.get(path)
+        if handle is None:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                handle = safe_open(str(path), framework="pt")
+            else:
+                handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._handles[path] = handle
+        return handle
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    # The header alone (8 bytes of length, then JSON): no tensor is read to list them.
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ParallelxError(f"{path}: tensor {name} has dtype {info['dtype']}, which parallelx does not read")
+        out[name] = (tuple(info["shape"]), dtype)
+    return out
+
+
+def open_weights(path: str | os.PathLike[str]) -> WeightFile:
+    """The weights at ``path``: a ``.safetensors`` file, a ``torch.save`` state dict, or a Hugging Face
+    model folder (sharded safetensors with ``model.safetensors.index.json``, ``model.safetensors``,
+    or ``pytorch_model.bin``)."""
+    path = Path(path)
+    files: list[Path]
+    if path.is_dir():
+        if (path / INDEX).is_file():
+            index = json.loads((path / INDEX).read_text())
+            files = sorted({path / f for f in index["weight_map"].values()})
+        elif (path / "model.safetensors").is_file():
+            files = [path / "model.safetensors"]
+        elif (path / "pytorch_model.bin").is_file():
+            files = [path / "pytorch_model.bin"]
+        else:
+            raise ParallelxError(
+                f"{path}: no weights found (expected {INDEX}, model.safetensors or pytorch_model.bin in the folder)"
+            )
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ParallelxError(f"{path}: no such file or folder of weights")
+    entries: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            found = _safetensors_header(f)
+        else:
+            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
+                state = state["state_dict"]
+            if not isinstance(state, Mapping):
+                raise ParallelxError(f"{f}: not a state dict (a mapping of names to tensors)")
+            found = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        for name, (shape, dtype) in found.items():
+            entries[name] = (f, shape, dtype)
+    return WeightFile(entries)
+
+
+@dataclasses.dataclass
+class Matched:
+    """A model's names paired with a file's."""
+
+    #: model name -> file name
+    pairs: dict[str, str]
+    #: model names with no file name
+    missing: list[str]
+    #: file names no model name took
+    unexpected: list[str]
+    #: (model name, model shape, file shape)
+    misshaped: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+
+    def check(self, *, strict: bool, where: str) -> None:
+        """One error naming every problem; ``strict=False`` allows missing and unexpected names."""
+        problems = []
+        if self.misshaped:
+            problems.append(
+                "mis-shaped: " + ", ".join(f"{n} (model {list(a)}, file {list(b)})" for n, a, b in self.misshaped)
+            )
+        if strict and self.missing:
+            problems.append("missing from the file: " + ", ".join(self.missing))
+        if strict and self.unexpected:
+            problems.append("in the file but not the model: " + ", ".join(self.unexpected))
+        if problems:
+            hint = "" if not strict or self.misshaped else "; strict=False loads the names that match"
+            raise ParallelxError(f"loading {where}: " + "; ".join(problems) + hint)
+
+
+def match_names(model: Mapping[str, tuple[tuple[int, ...], list[str]]], file: WeightFile) -> Matched:
+    """Pair each model tensor (key -> (shape, all its names: a tied tensor has several)) with a file's
+    tensor by :func:`normal_name`; a tied tensor is found under any of its names."""
+    by_normal: dict[str, str] = {}
+    for name in file.names():
+        by_normal.setdefault(normal_name(name), name)
+    pairs: dict[str, str] = {}
+    missing: list[str] = []
+    misshaped = []
+    taken: set[str] = set()
+    for key, (shape, names) in model.items():
+        hits = [by_normal[n] for n in (normal_name(x) for x in names) if n in by_normal]
+        if not hits:
+            missing.append(key)
+            continue
+        taken.update(hits)
+        pairs[key] = hits[0]
+        if tuple(file.shape(hits[0])) != tuple(shape):
+            misshaped.append((key, tuple(shape), tuple(file.shape(hits[0]))))
+    unexpected = [n for n in file.names() if n not in taken]
+    return Matched(pairs, missing, unexpected, misshaped)

@@ -1,0 +1,494 @@
+"""Models built without their weights, given them later exactly as an eager build would have.
+
+    with parallelx.init_module():            # the meta device, and a record of how each tensor was made
+        model = GPT(config)                   # no memory; the random numbers are drawn (and dropped) as eagerly
+    model, optimizer = backend.setup(model, optimizer)   # each rank computes the tensors it keeps
+
+On the meta device nothing is computed, so nothing of the weights survives
+the build: neither the random numbers the modules' initialisation drew nor a
+rotary embedding's ``inv_freq`` made in ``__init__``.  :func:`init_module`
+therefore records, in order, every call that makes or changes a meta tensor
+(a torch function mode), and for each call that draws random numbers it
+keeps the generator's state before the draw and then makes the same draw
+into a scratch tensor of the same layout, so that the generator leaves the
+build where an eager build leaves it (and the script's later random numbers,
+its dropout and its shuffling, are the eager ones too).
+
+:meth:`Recording.values` later replays only the calls a tensor depends on,
+on real tensors, each random one from its saved state: the result is the
+eager tensor bit for bit, one tensor (or one unit) at a time, in any order,
+so that a sharding backend can compute each tensor, keep its slice and drop
+the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._pytree import tree_flatten, tree_map
+
+from parallelx.errors import ParallelxError
+
+__all__ = ["Recording", "has_meta", "init_module", "materialize", "meta_tensors", "recording_of"]
+
+#: Calls that draw from a random generator (torch's functions, tensor methods and ``nn.init``'s).
+RANDOM = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "random_",
+        "bernoulli_",
+        "exponential_",
+        "cauchy_",
+        "log_normal_",
+        "geometric_",
+        "trunc_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "bernoulli",
+        "normal",
+        "multinomial",
+        "poisson",
+    }
+)
+
+#: In-place by name, but they change no value.
+NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
+
+#: The attribute a module built under :func:`init_module` carries: the recording of its tensors.
+ATTRIBUTE = "_parallelx_recording"
+
+
+def _key(t: torch.Tensor) -> StorageWeakRef:
+    # Equal for tensors that share one storage (a parameter made from a tensor, views of it).
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _is_meta(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+def _metas(tree: object) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(tree)
+    return [t for t in flat if _is_meta(t)]
+
+
+def _alias(x: Any) -> Any:
+    return x.detach() if _is_meta(x) else x
+
+
+def _mutated(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The tensor an in-place call writes (``t.uniform_()``, ``nn.init.normal_(tensor=t)``, ``t[i] = v``)."""
+    if name in NOT_WRITES or (not (name.endswith("_") and not name.startswith("__")) and name != "__setitem__"):
+        return None
+    first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+    return first if _is_meta(first) else None
+
+
+@dataclasses.dataclass
+class Event:
+    """One recorded call that made or changed a meta tensor."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    #: Storages this call made (its new outputs) or changed (in place).
+    writes: frozenset[StorageWeakRef]
+    #: Storages of the meta tensors it read.
+    reads: frozenset[StorageWeakRef]
+    #: A factory (``torch.empty``, ``torch.randn``): replayed on the build's device.
+    factory: bool
+    #: For a call that draws random numbers: the generator and its state before the draw.
+    generator: torch.Generator | None = None
+    state: torch.Tensor | None = None
+
+
+class Recording(TorchFunctionMode):
+    """How every meta tensor of a build was made (see the module's docstring); one per :func:`init_module` block."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        #: The device an eager build would have used (the default device outside the block).
+        self.device = device
+        self.events: list[Event] = []
+        #: Storage -> the event that made it.
+        self.made: dict[StorageWeakRef, Event] = {}
+        self._constructors = _device_constructors()
+
+    # ------------------------------------------------------------ recording
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        out = func(*args, **kwargs)
+        ins = _metas((args, kwargs))
+        outs = _metas(out)
+        name = getattr(func, "__name__", "")
+        target = _mutated(name, args, kwargs)
+        in_keys = {_key(t) for t in ins}
+        made = {_key(t) for t in outs} - in_keys
+        if not made and target is None:
+            return out  # a read (a size, a view): nothing to replay
+        event = Event(
+            func=func,
+            # Aliases, not the tensors: a parameter given its value later (torch.utils.swap_tensors) must
+            # not turn the record of how it was made into calls on the real tensor.
+            args=tuple(tree_map(_alias, tuple(args))),
+            kwargs=tree_map(_alias, kwargs),
+            out=tree_map(_alias, out),
+            writes=frozenset(made | ({_key(target)} if target is not None else set())),
+            reads=frozenset(in_keys),
+            factory=func in self._constructors or not ins,
+        )
+        if name in RANDOM:
+            # The eager draw, made now into a scratch tensor of the same layout and dropped: the
+            # generator moves as an eager build moves it, and its state before is kept for the replay.
+            generator = kwargs.get("generator") or self._default_generator()
+            event.generator, event.state = generator, generator.get_state()
+            with torch.no_grad():
+                self._run(event, self._scratch)
+        self.events.append(event)
+        for k in made:
+            self.made.setdefault(k, event)
+        return out
+
+    def _default_generator(self) -> torch.Generator:
+        if self.device.type == "cuda":
+            return torch.cuda.default_generators[self.device.index or torch.cuda.current_device()]
+        return torch.default_generator
+
+    def _scratch(self, t: torch.Tensor) -> torch.Tensor:
+        return self._like(
+            t, torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=self.device)
+        )
+
+    def _like(self, t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """A real tensor laid out in ``base``'s storage as ``t`` is in its own (a view of ``base``)."""
+        if base.dtype != t.dtype:
+            raise ParallelxError(
+                f"init_module: a tensor is read as {t.dtype} from storage made as {base.dtype} (a view that "
+                "changes the dtype); build this model eagerly, or change the view outside the model's __init__"
+            )
+        base = base.to(self.device) if base.device != self.device else base
+        if (
+            tuple(t.shape) == tuple(base.shape)
+            and t.stride() == base.stride()
+            and t.storage_offset() == base.storage_offset()
+        ):
+            return base
+        return torch.as_strided(base, t.shape, t.stride(), t.storage_offset())
+
+    def _run(self, event: Event, real: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        def swap(x: Any) -> Any:
+            return real(x) if _is_meta(x) else x
+
+        args = tree_map(swap, event.args)
+        kwargs = tree_map(swap, event.kwargs)
+        if event.factory:
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type == "meta":
+                kwargs["device"] = self.device
+        return event.func(*args, **kwargs)
+
+    # ------------------------------------------------------------ replaying
+    def knows(self, t: torch.Tensor) -> bool:
+        return _key(t) in self.made
+
+    def values(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The real values of meta tensors of this build, as the eager build made them (on the build's
+        device): only the calls they depend on are replayed, each random one from its saved state.
+        The random generators are left where they were."""
+        keys = {_key(t) for t in tensors}
+        unknown = [t for t in tensors if _key(t) not in self.made]
+        if unknown:
+            raise ParallelxError(
+                f"init_module: {len(unknown)} meta tensor(s) (shapes {[tuple(t.shape) for t in unknown[:3]]}) were "
+                "not made inside the parallelx.init_module() block that built the rest of this model; build "
+                "the whole model inside it"
+            )
+        needed = set(keys)
+        chosen: list[Event] = []
+        for event in reversed(self.events):
+            if event.writes & needed:
+                chosen.append(event)
+                needed |= event.reads
+        bases: dict[StorageWeakRef, torch.Tensor] = {}
+
+        def real(t: torch.Tensor) -> torch.Tensor:
+            base = bases.get(_key(t))
+            if base is None:
+                raise ParallelxError(
+                    f"init_module: a meta tensor of shape {tuple(t.shape)} is read before anything made it "
+                    "(it was made outside the parallelx.init_module() block); build the whole model inside it"
+                )
+            return self._like(t, base)
+
+        generators = {id(e.generator): e.generator for e in chosen if e.generator is not None}
+        saved = {i: g.get_state() for i, g in generators.items()}
+        try:
+            with torch.no_grad():
+                for event in reversed(chosen):
+                    if event.generator is not None and event.state is not None:
+                        event.generator.set_state(event.state)
+                    result = self._run(event, real)
+                    metas, _ = tree_flatten(event.out)
+                    reals, _ = tree_flatten(result)
+                    for m, r in zip(metas, reals, strict=False):
+                        if _is_meta(m) and isinstance(r, torch.Tensor):
+                            k = _key(m)
+                            if k in event.writes and k not in bases:
+                                # The storage's first maker: real storage laid out as the meta one.
+                                bases[k] = torch.as_strided(
+                                    r, (r.untyped_storage().nbytes() // r.element_size(),), (1,), 0
+                                )
+        finally:
+            for i, g in generators.items():
+                g.set_state(saved[i])
+        out = []
+        for t in tensors:
+            value = real(t)
+            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            out.append(value if whole and value.is_contiguous() else value.clone())
+        return out
+
+
+_live: list[Recording] = []
+
+
+def _tag(module: nn.Module, name: str, value: Any) -> None:
+    # A module given a meta tensor inside the block carries the block's recording.
+    if _live and isinstance(value, torch.Tensor) and value.is_meta:
+        module.__dict__[ATTRIBUTE] = _live[-1]
+
+
+@contextlib.contextmanager
+def init_module() -> Iterator[Recording]:
+    """Build a model without allocating its weights: modules made inside live on the meta device,
+    and every backend's ``setup`` computes the tensors each rank keeps, equal bit for bit to the same
+    model built eagerly from the same random state (see docs/big-models.md for what that covers).
+
+    ::
+
+        torch.manual_seed(0)
+        with parallelx.init_module():
+            model = GPT(config)           # nn.init, model.apply(_init_weights), rotary buffers, tied weights
+        model, optimizer = backend.setup(model, torch.optim.AdamW(model.parameters()))
+    """
+    recording = Recording(torch.get_default_device())
+    hooks = [
+        register_module_parameter_registration_hook(_tag),
+        register_module_buffer_registration_hook(_tag),
+    ]
+    originals = {name: getattr(nn.init, name) for name in SILENT_ON_META}
+    for name, original in originals.items():
+        setattr(nn.init, name, _recorded(recording, original))
+    _live.append(recording)
+    try:
+        with torch.device("meta"), recording:
+            yield recording
+    finally:
+        _live.remove(recording)
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+        for h in hooks:
+            h.remove()
+
+
+#: ``nn.init`` functions that return at once for a meta tensor, before any torch function a mode sees:
+#: inside :func:`init_module` they are recorded as one call each (as ``nn.init.trunc_normal_``,
+#: looked up on the module when called; a name imported from ``torch.nn.init`` beforehand is not).
+SILENT_ON_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+
+
+def _recorded(recording: Recording, original: Callable[..., Any]) -> Callable[..., Any]:
+    def init(*args: Any, **kwargs: Any) -> Any:
+        target = args[0] if args else kwargs.get("tensor")
+        if _is_meta(target):
+            return recording.__torch_function__(original, (), args, kwargs)
+        return original(*args, **kwargs)
+
+    init.__name__ = original.__name__
+    init.__doc__ = original.__doc__
+    return init
+
+
+def recording_of(module: nn.Module) -> Recording | None:
+    """The recording of a module built under :func:`init_module` (None for one built otherwise)."""
+    rec = module.__dict__.get(ATTRIBUTE)
+    return rec if isinstance(rec, Recording) else None
+
+
+@dataclasses.dataclass
+class Slot:
+    """One tensor of a model (a parameter or buffer, once however often it is tied) and where it sits."""
+
+    tensor: torch.Tensor
+    owners: list[tuple[nn.Module, str]]
+    is_param: bool
+    names: list[str]
+    #: The meta tensor itself (``tensor`` becomes the real one once :func:`put` gives it its value).
+    meta: torch.Tensor | None = None
+
+
+def model_tensors(model: nn.Module, *, only_meta: bool = True) -> list[Slot]:
+    """The model's parameters and buffers (by default its meta ones), each once (tied ones with all
+    their places), in order."""
+    slots: dict[int, Slot] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        tables = (
+            ("param", module.named_parameters(recurse=False, remove_duplicate=False)),
+            ("buffer", module.named_buffers(recurse=False, remove_duplicate=False)),
+        )
+        for kind, table in tables:
+            for name, t in table:
+                if only_meta and not t.is_meta:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                slot = slots.get(id(t))
+                if slot is None:
+                    slots[id(t)] = Slot(t, [(module, name)], kind == "param", [full], t.detach() if t.is_meta else None)
+                elif (module, name) not in [(m, n) for m, n in slot.owners]:
+                    slot.owners.append((module, name))
+                    slot.names.append(full)
+    return list(slots.values())
+
+
+def meta_tensors(model: nn.Module) -> list[Slot]:
+    """The model's meta parameters and buffers (:func:`model_tensors`)."""
+    return model_tensors(model)
+
+
+def has_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+class Source(Protocol):
+    """Where a meta tensor's value comes from besides its recording: a weight file (``pretrained.py``)."""
+
+    def holds(self, slot: Slot) -> bool:
+        """Whether this source has the slot's value."""
+
+    def rows(self, slot: Slot, start: int | None, stop: int | None) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of the slot's value as stored."""
+
+
+#: The attribute of a model given a weight file before set-up (:func:`parallelx.load_pretrained`).
+SOURCE = "_parallelx_weights"
+
+
+class Values:
+    """The real value of each meta tensor of a model, one tensor or one slice at a time: from the
+    weight file it was given (:func:`parallelx.load_pretrained`), else from its recording.  A model
+    with a meta tensor that neither gives is refused here, before anything is changed."""
+
+    def __init__(self, model: nn.Module, who: str) -> None:
+        self.slots = meta_tensors(model)
+        self.by_name = {n: s for s in self.slots for n in s.names}
+        source = model.__dict__.get(SOURCE)
+        self.source: Source | None = source
+        self.recordings: dict[int, Recording] = {}
+        self.from_file: set[int] = set()
+        orphans = []
+        for slot in self.slots:
+            if source is not None and source.holds(slot):
+                self.from_file.add(id(slot))
+                continue
+            rec = next((r for m, _ in slot.owners if (r := recording_of(m)) is not None and r.knows(slot.tensor)), None)
+            if rec is None:
+                orphans.append(slot.names[0])
+            else:
+                self.recordings[id(slot)] = rec
+        if orphans:
+            raise ParallelxError(
+                f"{who}: the model's {', '.join(orphans[:4])}{' ...' if len(orphans) > 4 else ''} are on the meta "
+                "device with nothing to compute them from (built under torch.device('meta'), where the values an "
+                "eager build makes are lost, and not in the weights given to parallelx.load_pretrained); build the "
+                "model under `with parallelx.init_module():` instead, which records how each tensor is made, or "
+                "build it eagerly"
+            )
+
+    def slot(self, name: str) -> Slot | None:
+        return self.by_name.get(name)
+
+    def rows(self, slot: Slot, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of the slot's value, in its dtype; a file reads only those."""
+        assert slot.meta is not None
+        if id(slot) in self.from_file:
+            assert self.source is not None
+            return self.source.rows(slot, start, stop).to(slot.meta.dtype)
+        whole = self.recordings[id(slot)].values([slot.meta])[0]
+        return whole if start is None and stop is None else whole[start:stop]
+
+    def whole(self, slot: Slot) -> torch.Tensor:
+        return self.rows(slot)
+
+    def flat(self, slot: Slot, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the slot's value flattened (the rows that hold them, then cut)."""
+        assert slot.meta is not None
+        shape = tuple(slot.meta.shape)
+        if not shape:
+            return self.whole(slot).reshape(1)[start:stop]
+        row = max(1, slot.meta[0].numel()) if shape[0] else 1
+        first, last = start // row, -(-stop // row)
+        return self.rows(slot, first, last).reshape(-1)[start - first * row : stop - first * row]
+
+
+def put(slot: Slot, value: torch.Tensor) -> torch.Tensor:
+    """Give a meta parameter or buffer its real value in place and return it: a parameter keeps its
+    identity (an optimizer built on it before set-up still holds it), tied places stay one tensor."""
+    if slot.is_param:
+        param = slot.tensor
+        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        try:
+            torch.utils.swap_tensors(param, new)
+        except RuntimeError:  # weakly referenced: the owners get the new parameter instead
+            param = new
+        assert isinstance(param, nn.Parameter)
+        for module, name in slot.owners:
+            setattr(module, name, param)
+        return param
+    for module, name in slot.owners:
+        setattr(module, name, value)  # still a buffer, persistent or not as it was
+    return value
+
+
+def materialize(model: nn.Module, device: torch.device | str | None = None, *, who: str = "materialize") -> None:
+    """Give every meta tensor of ``model`` its value, in place, one tensor at a time, on ``device``
+    (default: the build's): at most one tensor more than the model at any moment."""
+    values = Values(model, who)
+    for slot in values.slots:
+        value = values.whole(slot)
+        put(slot, value.to(device) if device is not None else value)
+    forget(model)
+
+
+def forget(model: nn.Module) -> None:
+    """Drop the recordings and the weight file a built model carries (its tensors all have their values)."""
+    for module in model.modules():
+        module.__dict__.pop(ATTRIBUTE, None)
+    model.__dict__.pop(SOURCE, None)

@@ -1,0 +1,105 @@
+"""``parallelx.init_module()``: a meta build replayed to the eager build's tensors, bitwise, in one
+process (the backends' own paths run under their launchers in tests/launcher/test_bigmodels.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import parallelx
+from parallelx.bigmodels.meta import Values, has_meta, materialize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from bigmodels_worker import CFG, MODELS, tokens
+
+
+def build(make, meta: bool, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    if meta:
+        with parallelx.init_module():
+            model = make()
+    else:
+        model = make()
+    return model, torch.rand(3)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_materialized_equals_eager_bitwise_and_the_random_stream_goes_on_as_eager(name):
+    eager, after_eager = build(MODELS[name], meta=False)
+    meta, after_meta = build(MODELS[name], meta=True)
+    assert has_meta(meta) and torch.equal(after_eager, after_meta)
+    params = list(meta.parameters())
+    before = torch.get_rng_state()
+    materialize(meta)
+    assert torch.equal(before, torch.get_rng_state())  # the replay leaves the generator where it was
+    assert [p is q for p, q in zip(params, meta.parameters(), strict=True)] == [True] * len(params)
+    se, sm = eager.state_dict(), meta.state_dict()
+    assert set(se) == set(sm) and all(torch.equal(se[k], sm[k]) for k in se)
+    be, bm = dict(eager.named_buffers()), dict(meta.named_buffers())
+    assert all(torch.equal(be[k], bm[k]) for k in be)
+    x, _ = tokens(0, 0, 2, CFG)
+    assert torch.equal(eager.eval()(x)[0], meta.eval()(x)[0])
+
+
+def test_tensors_computed_one_at_a_time_in_any_order_equal_the_whole_replay():
+    eager, _ = build(MODELS["gpt"], meta=False)
+    meta, _ = build(MODELS["gpt"], meta=True)
+    values = Values(meta, "test")
+    names = [n for n, _ in eager.named_parameters()][::-1]  # reversed: each tensor's draws from its own state
+    for n in names:
+        slot = values.slot(n)
+        assert slot is not None and torch.equal(values.whole(slot), eager.get_parameter(n)), n
+
+
+@pytest.mark.parametrize("backend_name", ["single", "dp"])
+def test_setup_on_one_process_backends(backend_name):
+    eager, _ = build(MODELS["rotary"], meta=False)
+    meta, _ = build(MODELS["rotary"], meta=True)
+    backend = parallelx.get_backend(backend_name, device="cpu")
+    with backend:
+        opt = torch.optim.AdamW(meta.parameters(), lr=1e-2)
+        wm, om = backend.setup(meta, opt)
+        assert om is not None and all(not p.is_meta for g in om.param_groups for p in g["params"])
+        we = backend.wrap_model(eager)
+        se, sm = backend.model_state_dict(we), backend.model_state_dict(wm)
+        assert all(torch.equal(se[k], sm[k]) for k in se)
+
+
+def test_a_plain_meta_build_and_a_tensor_made_outside_the_block_are_refused():
+    with torch.device("meta"):
+        plain = nn.Linear(3, 3)
+    with pytest.raises(parallelx.ParallelxError, match="init_module"):
+        materialize(plain)
+    with torch.device("meta"):
+        outside = torch.empty(3)
+    with parallelx.init_module():
+        model = nn.Linear(3, 3)
+        model.register_buffer("late", outside)
+    with pytest.raises(parallelx.ParallelxError, match="init_module"):
+        materialize(model)
+    assert has_meta(model)  # refused before anything changed
+
+
+def test_weight_files_read_by_rows_and_names_matched_with_prefixes(tmp_path):
+    from safetensors.torch import save_file
+
+    from parallelx.bigmodels.formats import match_names, normal_name, open_weights
+
+    assert normal_name("module._orig_mod.h.0._checkpoint_wrapped_module.weight") == "h.0.weight"
+    state = {"a.weight": torch.arange(12.0).view(4, 3), "b": torch.tensor(2.0)}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "w.pt")
+    for name in ("w.safetensors", "w.pt"):
+        f = open_weights(tmp_path / name)
+        assert f.bytes_read == 0  # the names and shapes come from the header
+        key = next(n for n in f.names() if n.endswith("a.weight"))
+        assert torch.equal(f.rows(key, 1, 3), state["a.weight"][1:3])
+        assert f.bytes_read == 6 * 4
+        m = match_names({"a.weight": ((4, 3), ["a.weight"]), "c": ((1,), ["c", "b"])}, f)
+        assert m.missing == [] and m.unexpected == [] and m.misshaped == [("c", (1,), ())]
+        with pytest.raises(parallelx.ParallelxError, match="mis-shaped: c"):
+            m.check(strict=False, where=name)
