@@ -12,7 +12,7 @@ Importing parallelx imports neither horovod nor deepspeed.
 from parallelx import _compat  # noqa: F401  (the old module paths of 0.3, for one release)
 from parallelx.backend import Backend, ReduceOp
 from parallelx.bigmodels.export import save_pretrained
-from parallelx.bigmodels.meta import init_module
+from parallelx.bigmodels.meta import init_module, init_weights
 from parallelx.bigmodels.pretrained import load_pretrained
 from parallelx.checkpoints.checkpointer import Checkpointer
 from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
@@ -69,6 +69,7 @@ __all__ = [
     "get_backend",
     "get_logger",
     "init_module",
+    "init_weights",
     "latest_checkpoint",
     "load_pretrained",
     "load_training_state",

@@ -42,6 +42,7 @@ from torch import nn
 
 from parallelx import log
 from parallelx.bigmodels.meta import has_meta
+from parallelx.bigmodels.meta import prepare as prepare_meta
 from parallelx.errors import LaunchError, ParallelxError
 from parallelx.forensics import exchange as forensics
 from parallelx.forensics import record
@@ -399,6 +400,9 @@ class Backend:
             )
             run.compile_options = CompileOptions(enabled=True)
         if has_meta(model):  # built under parallelx.init_module(): each tensor computed where this backend keeps it
+            # A plain torch.device("meta") build draws its reset_parameters' random numbers now, outside
+            # keep_rng_state: the generator moves as the eager build moved it.
+            prepare_meta(model, self.name)
             with keep_rng_state():
                 self.strategy.materialize(model)
         known = list(model.parameters())

@@ -305,10 +305,16 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied: one tensor, trained by both uses
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """nanoGPT's initialisation, after the layers' own: normal(0, 0.02) weights, zero biases, and
+        GPT-2's scaled init of the residual projections.  A model built under plain
+        ``torch.device("meta")`` gets it with ``parallelx.init_weights(model, GPT.init_weights)``."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

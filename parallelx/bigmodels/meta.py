@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -41,7 +42,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from parallelx.errors import ParallelxError
 
-__all__ = ["Recording", "has_meta", "init_module", "materialize", "meta_tensors", "recording_of"]
+__all__ = ["Recording", "has_meta", "init_module", "init_weights", "materialize", "meta_tensors", "recording_of"]
+
+_log = logging.getLogger(__name__)
 
 #: Calls that draw from a random generator (torch's functions, tensor methods and ``nn.init``'s).
 RANDOM = frozenset(
@@ -303,19 +306,28 @@ def init_module() -> Iterator[Recording]:
         register_module_parameter_registration_hook(_tag),
         register_module_buffer_registration_hook(_tag),
     ]
-    originals = {name: getattr(nn.init, name) for name in SILENT_ON_META}
-    for name, original in originals.items():
-        setattr(nn.init, name, _recorded(recording, original))
     _live.append(recording)
     try:
-        with torch.device("meta"), recording:
+        with torch.device("meta"), _recording(recording):
             yield recording
     finally:
         _live.remove(recording)
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def _recording(recording: Recording) -> Iterator[None]:
+    """``recording`` active, with the ``nn.init`` functions that skip meta tensors recorded too."""
+    originals = {name: getattr(nn.init, name) for name in SILENT_ON_META}
+    for name, original in originals.items():
+        setattr(nn.init, name, _recorded(recording, original))
+    try:
+        with recording:
+            yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
 
 
 #: ``nn.init`` functions that return at once for a meta tensor, before any torch function a mode sees:
@@ -401,16 +413,148 @@ class Source(Protocol):
 SOURCE = "_parallelx_weights"
 
 
+#: The attribute of a model given an init function by :func:`init_weights`.
+INIT = "_parallelx_init"
+
+#: In-place calls that give a whole tensor its value whatever it held before: the first write to a
+#: tensor of a plain ``torch.device("meta")`` build must be one of them (anything else would read
+#: memory nobody wrote).
+OVERWRITES = frozenset(
+    {n for n in RANDOM if n.endswith("_")}
+    | {"fill_", "zero_", "copy_", "constant_", "ones_", "zeros_", "eye_", "dirac_"}
+)
+
+
+def init_weights(model: nn.Module, init: Callable[[nn.Module], None]) -> nn.Module:
+    """Give ``model`` its initialisation beyond its modules' ``reset_parameters``: ``init(model)``.
+
+    For a model built under plain ``torch.device("meta")``, ``backend.setup`` computes each tensor
+    as each module's ``reset_parameters()`` (children first, as their constructors ran it) and then
+    ``init(model)`` make it, one tensor at a time, each rank keeping its share: the eager build's
+    values bit for bit when the model's ``__init__`` did exactly that from the same random state.
+    For a model that already has its weights, ``init(model)`` runs now.  Returns the model::
+
+        with torch.device("meta"):
+            model = GPT(config)                 # its __init__ ends with self.init_weights()
+        parallelx.init_weights(model, GPT.init_weights)
+        model, optimizer = backend.setup(model, optimizer)
+    """
+    if not has_meta(model):
+        with torch.no_grad():
+            init(model)
+        return model
+    model.__dict__[INIT] = init
+    return model
+
+
+def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
+    for child in module.children():
+        if id(child) not in seen:
+            seen.add(id(child))
+            yield from _post_order(child, seen)
+    yield module
+
+
+def _whole(t: torch.Tensor) -> bool:
+    return bool(
+        t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
+
+
+def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording:
+    """A recording of how the plain-meta ``slots`` of ``model`` get their values: each module's
+    ``reset_parameters()`` (or torch's private ``_reset_parameters``) in post-order, then the
+    function given to :func:`init_weights`, run now on the meta tensors with each random draw made
+    into a scratch tensor (so the generator moves as the eager build moved it).  A tensor these do
+    not overwrite whole is refused, naming it."""
+    recording = Recording(torch.get_default_device())
+    roots: dict[StorageWeakRef, Slot] = {}
+    for slot in slots:
+        assert slot.meta is not None
+        key = _key(slot.meta)
+        if key in roots:
+            continue
+        size = slot.meta.untyped_storage().nbytes() // slot.meta.element_size()
+        # The storage comes into being empty: what fills it is recorded below.
+        event = Event(
+            func=torch.empty,
+            args=((size,),),
+            kwargs={"dtype": slot.meta.dtype},
+            out=torch.as_strided(slot.meta, (size,), (1,), 0),
+            writes=frozenset({key}),
+            reads=frozenset(),
+            factory=True,
+        )
+        recording.events.append(event)
+        recording.made[key] = event
+        roots[key] = slot
+    first = len(recording.events)
+    init = model.__dict__.get(INIT)
+    with _recording(recording), torch.no_grad():
+        for module in _post_order(model, set()):
+            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+            if callable(reset):
+                reset()
+        if init is not None:
+            init(model)
+    unset = []
+    for key, slot in roots.items():
+        written = next((e for e in recording.events[first:] if key in e.writes), None)
+        name = getattr(written.func, "__name__", "") if written is not None else ""
+        target = _mutated(name, written.args, written.kwargs) if written is not None else None
+        if name not in OVERWRITES or target is None or not _whole(target):
+            unset.append(slot.names[0])
+    if unset:
+        raise ParallelxError(
+            f"{who}: the model was built under torch.device('meta'), where the values its __init__ made are "
+            f"lost, and no module's reset_parameters() (nor the function given to parallelx.init_weights) sets "
+            f"{', '.join(unset[:6])}{' ...' if len(unset) > 6 else ''}; build the model under "
+            "`with parallelx.init_module():` instead (it records everything __init__ does: factories such as "
+            "torch.ones, rotary buffers, custom inits), or give their initialisation with "
+            "parallelx.init_weights(model, fn), or load them with parallelx.load_pretrained"
+        )
+    for slot in roots.values():
+        for module, _ in slot.owners:
+            module.__dict__[ATTRIBUTE] = recording
+    return recording
+
+
+def prepare(model: nn.Module, who: str) -> None:
+    """Make sure every meta tensor of ``model`` has a source of values: a plain ``torch.device("meta")``
+    build (no recording, tensors the weight file does not give) is given its modules'
+    ``reset_parameters`` and :func:`init_weights` now (:func:`record_reset`): their random draws move
+    the generator here, as the eager build's moved it there.  Does nothing for other models."""
+    source = model.__dict__.get(SOURCE)
+    plain = [
+        s
+        for s in meta_tensors(model)
+        if not (source is not None and source.holds(s)) and all(recording_of(m) is None for m, _ in s.owners)
+    ]
+    if not plain or any(recording_of(m) is not None for m in model.modules()):
+        return
+    record_reset(model, plain, who)
+    _log.info(
+        "%s: the model was built under torch.device('meta'): %d tensor(s) get their values from their modules' "
+        "reset_parameters()%s (parallelx.init_module() records what __init__ does instead)",
+        who,
+        len(plain),
+        " and the function given to parallelx.init_weights" if INIT in model.__dict__ else "",
+    )
+
+
 class Values:
     """The real value of each meta tensor of a model, one tensor or one slice at a time: from the
-    weight file it was given (:func:`parallelx.load_pretrained`), else from its recording.  A model
-    with a meta tensor that neither gives is refused here, before anything is changed."""
+    weight file it was given (:func:`parallelx.load_pretrained`), else from its recording, else
+    (a plain ``torch.device("meta")`` build) from its modules' ``reset_parameters`` and
+    :func:`init_weights`.  A model with a meta tensor that none gives is refused here, before
+    anything is changed."""
 
     def __init__(self, model: nn.Module, who: str) -> None:
         self.slots = meta_tensors(model)
         self.by_name = {n: s for s in self.slots for n in s.names}
         source = model.__dict__.get(SOURCE)
         self.source: Source | None = source
+        prepare(model, who)
         self.recordings: dict[int, Recording] = {}
         self.from_file: set[int] = set()
         orphans = []
@@ -488,7 +632,9 @@ def materialize(model: nn.Module, device: torch.device | str | None = None, *, w
 
 
 def forget(model: nn.Module) -> None:
-    """Drop the recordings and the weight file a built model carries (its tensors all have their values)."""
+    """Drop the recordings, the weight file and the init function a built model carries (its tensors
+    all have their values)."""
     for module in model.modules():
         module.__dict__.pop(ATTRIBUTE, None)
     model.__dict__.pop(SOURCE, None)
+    model.__dict__.pop(INIT, None)

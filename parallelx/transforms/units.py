@@ -53,13 +53,24 @@ def _self_contained(path: str, module: nn.Module, places: dict[int, list[str]]) 
     )
 
 
+#: Modules that read their submodules' parameters without calling them: ``nn.MultiheadAttention``
+#: hands ``out_proj.weight`` to ``F.multi_head_attention_forward``, so a unit's hooks on ``out_proj``
+#: would never run (fsdp would leave it sharded: "got mixed torch.Tensor and DTensor").
+READS_CHILDREN = (nn.MultiheadAttention,)
+
+
 def eligible(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The submodules that can be units, by name, in ``named_modules`` order."""
     places = _registrations(model)
+    inside = {id(sub) for m in model.modules() if isinstance(m, READS_CHILDREN) for sub in m.modules() if sub is not m}
     return [
         (path, m)
         for path, m in model.named_modules()
-        if m is not model and has_forward(m) and any(True for _ in m.parameters()) and _self_contained(path, m, places)
+        if m is not model
+        and id(m) not in inside
+        and has_forward(m)
+        and any(True for _ in m.parameters())
+        and _self_contained(path, m, places)
     ]
 
 
@@ -146,8 +157,9 @@ def select_units(model: nn.Module, policy: UnitPolicy, *, who: str) -> list[nn.M
     if bad:
         raise ParallelxError(
             f"{who}: {bad[0]} ({type(dict(model.named_modules())[bad[0]]).__name__}) cannot be a unit: it is a "
-            "container without forward, or a weight in it is tied to a module outside it; choose the blocks "
-            "inside it, or auto"
+            "container without forward, a weight in it is tied to a module outside it, or the module around it "
+            "reads its weights without calling it (an attention's out_proj); choose the blocks inside it, the "
+            "module around it, or auto"
         )
     return [m for _, m in reversed(chosen)]
 

@@ -6,8 +6,11 @@
   model with a rotary ``inv_freq`` buffer, a ``nn.Parameter(torch.randn(...))``, ``trunc_normal_`` and
   ``kaiming_normal_`` inits and BatchNorm buffers); tied weights stay tied; the random stream after
   the build is the eager one.
-- ``refuse``: a plain ``torch.device("meta")`` build is a ``ParallelxError`` naming
-  ``parallelx.init_module()``.
+- ``plain``: a plain ``torch.device("meta")`` build of torch.nn's layers (an attention's
+  ``_reset_parameters``, BatchNorm, a tied head) = the eager build, **bitwise**, from the modules'
+  ``reset_parameters`` alone and with the model's ``init_weights`` given to ``parallelx.init_weights``;
+  a model whose ``__init__`` makes values no reset gives is a ``ParallelxError`` naming those tensors
+  and ``parallelx.init_module()``.
 - ``load``: ``parallelx.load_pretrained`` of a meta-built GPT from a ``torch.save`` file, the same
   with ``module._orig_mod.`` prefixes, a ``.safetensors`` file and a Hugging Face folder (two shards
   and their index), tied ``lm_head.weight`` stored once = the eager model loaded with
@@ -49,26 +52,38 @@ def reports(request, tmp_path_factory) -> list[dict]:
     return found
 
 
+def assert_bitwise(name: str, r: dict) -> None:
+    assert r["built_on_meta"], name
+    assert r["rng_after_build_equal"], name
+    assert r["tensors"] > 0
+    assert r["mismatched"] == [], (name, r["mismatched"])
+    assert r["buffers_mismatched"] == [], (name, r["buffers_mismatched"])
+    assert r["step_changed"], name  # the step did something, so the next check can fail
+    assert r["after_step_mismatched"] == [], (name, r["after_step_mismatched"])
+
+
 def test_meta_build_equals_the_eager_build_bitwise(reports):
     for rep in reports:
         for name, r in rep["meta"].items():
-            if not isinstance(r, dict):
-                continue
-            assert r["built_on_meta"], name
-            assert r["rng_after_build_equal"], name
-            assert r["tensors"] > 0
-            assert r["mismatched"] == [], (name, r["mismatched"])
-            assert r["buffers_mismatched"] == [], (name, r["buffers_mismatched"])
-            assert r["step_changed"], name  # the step did something, so the next check can fail
-            assert r["after_step_mismatched"] == [], (name, r["after_step_mismatched"])
+            if isinstance(r, dict):
+                assert_bitwise(name, r)
         assert "rot.inv_freq" in rep["meta"]["rotary"]["buffers"]  # the non-persistent buffer was compared
         assert rep["meta"]["gpt"]["tied"] == [True, True]
 
 
-def test_a_plain_meta_build_is_refused_clearly(reports):
+def test_a_plain_meta_build_equals_the_eager_build_from_reset_parameters_and_init_weights(reports):
     for rep in reports:
-        assert "refused" in rep["refuse"], rep["refuse"]
-        assert "parallelx.init_module()" in rep["refuse"]["refused"]
+        for name in ("reset", "init"):
+            assert_bitwise(name, rep["plain"][name])
+            assert rep["plain"][name]["tied"] == [True, True]
+            assert "norm.running_var" in rep["plain"][name]["buffers"]
+
+
+def test_a_plain_meta_build_with_values_no_reset_gives_is_refused_naming_them(reports):
+    for rep in reports:
+        assert "refused" in rep["plain"], rep["plain"]
+        message = rep["plain"]["refused"]
+        assert "parallelx.init_module()" in message and "gain" in message and "rot.inv_freq" in message, message
 
 
 def test_pretrained_weights_load_into_the_shards_bitwise_reading_each_ranks_share(reports):
