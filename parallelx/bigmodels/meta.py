@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -40,11 +39,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
+from parallelx import log
 from parallelx.errors import ParallelxError
 
 __all__ = ["Recording", "has_meta", "init_module", "init_weights", "materialize", "meta_tensors", "recording_of"]
 
-_log = logging.getLogger(__name__)
 
 #: Calls that draw from a random generator (torch's functions, tensor methods and ``nn.init``'s).
 RANDOM = frozenset(
@@ -533,12 +532,12 @@ def prepare(model: nn.Module, who: str) -> None:
     if not plain or any(recording_of(m) is not None for m in model.modules()):
         return
     record_reset(model, plain, who)
-    _log.info(
-        "%s: the model was built under torch.device('meta'): %d tensor(s) get their values from their modules' "
-        "reset_parameters()%s (parallelx.init_module() records what __init__ does instead)",
-        who,
-        len(plain),
-        " and the function given to parallelx.init_weights" if INIT in model.__dict__ else "",
+    named = ", ".join(s.names[0] for s in plain[:3]) + (" ..." if len(plain) > 3 else "")
+    log.info(
+        f"{who}: the model was built under torch.device('meta'): its {len(plain)} tensors ({named}) get their "
+        "values from their modules' reset_parameters()"
+        + (" and the function given to parallelx.init_weights" if INIT in model.__dict__ else "")
+        + " (parallelx.init_module() records what __init__ does instead)"
     )
 
 
