@@ -56,9 +56,17 @@ def test_tensors_computed_one_at_a_time_in_any_order_equal_the_whole_replay():
 
 
 @pytest.mark.parametrize("backend_name", ["single", "dp"])
-def test_setup_on_one_process_backends(backend_name):
-    eager, _ = build(MODELS["rotary"], meta=False)
-    meta, _ = build(MODELS["rotary"], meta=True)
+@pytest.mark.parametrize("how", ["init_module", "plain"])
+def test_setup_on_one_process_backends(backend_name, how):
+    if how == "plain":
+        from bigmodels_worker import PlainNet
+
+        torch.manual_seed(0)
+        eager = PlainNet()
+        meta = plain_build(PlainNet, init=PlainNet.init_weights)
+    else:
+        eager, _ = build(MODELS["rotary"], meta=False)
+        meta, _ = build(MODELS["rotary"], meta=True)
     backend = parallelx.get_backend(backend_name, device="cpu")
     with backend:
         opt = torch.optim.AdamW(meta.parameters(), lr=1e-2)
