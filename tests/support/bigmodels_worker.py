@@ -21,10 +21,8 @@ Every rank writes ``<out>/rank<r>.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 from gpt import GPT, Config, tokens
 from torch import nn
+from worker_cases import Case, run_cases
 
 import parallelx
 from parallelx.errors import ParallelxError
@@ -342,7 +341,7 @@ def case_save(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
     return report
 
 
-CASES: dict[str, Callable[[parallelx.Backend, Path], dict[str, Any]]] = {
+CASES: dict[str, Case] = {
     "save": case_save,
     "meta": lambda b, out: case_meta(b),
     "plain": lambda b, out: case_plain(b),
@@ -351,23 +350,7 @@ CASES: dict[str, Callable[[parallelx.Backend, Path], dict[str, Any]]] = {
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    parallelx.add_arguments(p)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cases", default=",".join(CASES))
-    args, _ = p.parse_known_args()
-    backend = parallelx.from_args(args)
-    backend.init()
-    report: dict[str, Any] = {}
-    for name in args.cases.split(","):
-        start = time.monotonic()
-        report[name] = CASES[name](backend, args.out)
-        report[name]["seconds"] = round(time.monotonic() - start, 2)
-        print(f"bigmodels_worker: rank {backend.rank}: {name}: {report[name]}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(report, indent=1))
-    backend.shutdown()
-    return 0
+    return run_cases("bigmodels_worker", CASES)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,9 @@ Every rank writes ``<out>/rank<r>.json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
-import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,9 +38,9 @@ import torch
 from programs_worker import B, batch, discriminator, generator, halves, mine, mlp, params_of, plain_params, rel_err
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from worker_cases import Case, run_cases
 
 import parallelx
-from parallelx.errors import ParallelxError
 
 DECAY = 0.9
 
@@ -129,7 +126,7 @@ class Adapted(nn.Module):
 
 
 @contextlib.contextmanager
-def counting_reductions(model: nn.Module) -> Iterator[list[int]]:
+def counting_reductions(model: nn.Module, backend_name: str) -> Iterator[list[int]]:
     """The elements handed to every reducing collective inside the block."""
     counted: list[int] = []
     patches: list[tuple[Any, str, Any]] = []
@@ -190,9 +187,6 @@ def counting_reductions(model: nn.Module) -> Iterator[list[int]]:
             setattr(owner, name, real)
 
 
-backend_name = ""
-
-
 def frozen_case(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
     world = backend.world_size
     ref = Adapted()
@@ -205,7 +199,7 @@ def frozen_case(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
     reduced: list[int] = []
     for step in range(3):
         x, y = batch(step, world, 32, seed=32), batch(step, world, 1, seed=33)
-        with counting_reductions(model) if step == 1 else contextlib.nullcontext([]) as counted:
+        with counting_reductions(model, backend.name) if step == 1 else contextlib.nullcontext([]) as counted:
             backend.backward(loss_fn(model(mine(backend, x)), mine(backend, y)))
             backend.step(opt)
         reduced += counted
@@ -315,7 +309,7 @@ def gan_resume_case(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
     }
 
 
-CASES: dict[str, Callable[[parallelx.Backend, Path], dict[str, Any]]] = {
+CASES: dict[str, Case] = {
     "ema": ema_case,
     "frozen": frozen_case,
     "gan_resume": gan_resume_case,
@@ -323,28 +317,7 @@ CASES: dict[str, Callable[[parallelx.Backend, Path], dict[str, Any]]] = {
 
 
 def main() -> int:
-    global backend_name
-    p = argparse.ArgumentParser()
-    parallelx.add_arguments(p)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cases", default=",".join(CASES))
-    args, _ = p.parse_known_args()
-    backend = parallelx.from_args(args)
-    backend.init()
-    backend_name = backend.name
-    report: dict[str, Any] = {}
-    for name in args.cases.split(","):
-        start = time.monotonic()
-        try:
-            report[name] = CASES[name](backend, args.out / name)
-        except ParallelxError as exc:
-            report[name] = {"error": str(exc)}
-        report[name]["seconds"] = round(time.monotonic() - start, 2)
-        print(f"ema_worker: rank {backend.rank}: {name}: {report[name]}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(report, indent=1))
-    backend.shutdown()
-    return 0
+    return run_cases("ema_worker", CASES, refusals_reported=True)
 
 
 if __name__ == "__main__":

@@ -37,20 +37,15 @@ error against the reference (``rel_err``, per tensor), extra checks, or the
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from worker_cases import Case, run_cases
 
 import parallelx
-from parallelx.errors import ParallelxError
 
 B = 4  # rows per rank
 STEPS = 3
@@ -284,37 +279,18 @@ def plain_loop(backend: parallelx.Backend) -> dict[str, Any]:
     return {"rel_err": rel_err(params_of(backend, model), plain_params(ref))}
 
 
-CASES: dict[str, Callable[[parallelx.Backend], dict[str, Any]]] = {
-    "one_param": one_param,
-    "mlp": two_backward_mlp,
-    "gan": gan,
-    "teacher": teacher,
-    "two_optimizers": two_optimizers,
-    "plain_loop": plain_loop,
+CASES: dict[str, Case] = {
+    "one_param": lambda b, out: one_param(b),
+    "mlp": lambda b, out: two_backward_mlp(b),
+    "gan": lambda b, out: gan(b),
+    "teacher": lambda b, out: teacher(b),
+    "two_optimizers": lambda b, out: two_optimizers(b),
+    "plain_loop": lambda b, out: plain_loop(b),
 }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    parallelx.add_arguments(p)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cases", default=",".join(CASES))
-    args, _ = p.parse_known_args()
-    backend = parallelx.from_args(args)
-    backend.init()
-    report: dict[str, Any] = {}
-    for name in args.cases.split(","):
-        start = time.monotonic()
-        try:
-            report[name] = CASES[name](backend)
-        except ParallelxError as exc:
-            report[name] = {"error": str(exc)}
-        report[name]["seconds"] = round(time.monotonic() - start, 2)
-        print(f"programs_worker: rank {backend.rank}: {name}: {report[name]}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(report, indent=1))
-    backend.shutdown()
-    return 0
+    return run_cases("programs_worker", CASES, refusals_reported=True)
 
 
 if __name__ == "__main__":
