@@ -487,7 +487,7 @@ def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording
         recording.events.append(event)
         recording.made[key] = event
         roots[key] = slot
-    first = len(recording.events)
+    done = len(recording.events)
     init = model.__dict__.get(INIT)
     with _recording(recording), torch.no_grad():
         for module in _post_order(model, set()):
@@ -496,9 +496,13 @@ def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording
                 reset()
         if init is not None:
             init(model)
+    first_write: dict[StorageWeakRef, Event] = {}
+    for event in recording.events[done:]:
+        for key in event.writes:
+            first_write.setdefault(key, event)
     unset = []
     for key, slot in roots.items():
-        written = next((e for e in recording.events[first:] if key in e.writes), None)
+        written = first_write.get(key)
         name = getattr(written.func, "__name__", "") if written is not None else ""
         target = _mutated(name, written.args, written.kwargs) if written is not None else None
         if name not in OVERWRITES or target is None or not _whole(target):
@@ -523,13 +527,11 @@ def prepare(model: nn.Module, who: str) -> None:
     build (no recording, tensors the weight file does not give) is given its modules'
     ``reset_parameters`` and :func:`init_weights` now (:func:`record_reset`): their random draws move
     the generator here, as the eager build's moved it there.  Does nothing for other models."""
+    if any(recording_of(m) is not None for m in model.modules()):
+        return  # built under init_module (or prepared already): its recording gives the values
     source = model.__dict__.get(SOURCE)
-    plain = [
-        s
-        for s in meta_tensors(model)
-        if not (source is not None and source.holds(s)) and all(recording_of(m) is None for m, _ in s.owners)
-    ]
-    if not plain or any(recording_of(m) is not None for m in model.modules()):
+    plain = [s for s in meta_tensors(model) if not (source is not None and source.holds(s))]
+    if not plain:
         return
     record_reset(model, plain, who)
     named = ", ".join(s.names[0] for s in plain[:3]) + (" ..." if len(plain) > 3 else "")
