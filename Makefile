@@ -27,7 +27,7 @@ train: setup-core
 ## The quick tier: unit, multirank, the core launch of every backend under its real launcher and one
 ## launch of each other grid (docs/testing.md), system (failures, bad inputs, the CLI, the wheel), on
 ## two pytest-xdist workers (tests/conftest.py keeps files that share launches on one worker).
-## 6 to 13 minutes from a fresh clone on 2 cores, set-up included (383 s idle; 765 s measured before): no
+## 4 to 13 minutes from a fresh clone on 2 cores, set-up included (242 s idle at 0aef424; 383 s and 765 s measured before): no
 ## Horovod, whose launches are scenarios.
 test: setup-test
 	$(PY) -m pytest -n 2 --durations=30 -m "not scenario and not matrix" tests/unit tests/multirank tests/launcher tests/system
