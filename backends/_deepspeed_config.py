@@ -211,8 +211,8 @@ def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Train
     """What a rank holds under ZeRO ``stage`` with the sizes parallelx picks (:func:`sized_for`).
 
     Under ``16-mixed`` DeepSpeed's float16 engine holds the weights and gradients in float16 and
-    a float32 master copy; otherwise the weights stay float32 and ZeRO 1-3 still clone their
-    float32 partition (the masters) from them.  Stages 1 and 2 flatten the weights into one
+    a float32 master copy; otherwise the weights stay float32 and ZeRO 1 and 2 still clone their
+    float32 partition (the masters) from them, where ZeRO-3 steps its float32 partitions in place.  Stages 1 and 2 flatten the weights into one
     buffer (a second copy while it is made); ZeRO 2 and 3 reduce the gradients through one
     bucket of ``reduce_bucket_size`` elements, ZeRO-3 gathers at most
     ``stage3_max_live_parameters`` elements plus one prefetch."""
@@ -262,6 +262,9 @@ def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Train
         ).with_optimizer(shard(state, n))
     live = min(numel, sizes["stage3_max_live_parameters"] + sizes["stage3_prefetch_bucket_size"]) * elem
     sub_group = min(shard(masters, n), 4 * sizes["sub_group_size"])  # the float32 bytes stepped at once
+    # Float32 weights are their own masters (_deepspeed_zero.share_float32_masters); 16-bit ones get
+    # a float32 partition.
+    masters_copy = shard(masters, n) if half else 0
     return layout(
         name,
         model,
@@ -270,19 +273,14 @@ def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Train
         shards=("params", "grads", "optimizer"),
         param_bytes=weights,
         grad_bytes=numel * elem,
-        extra=shard(masters, n) + reduce_bucket,
-        why="float32 master partition, reduce bucket",
-        # Eager: the whole model until its partitions are cut out of it (each weight freed as it is
-        # partitioned); then DeepSpeed's optimizer (stage3.py, `_setup_for_real_optimizer`): the
-        # partitions copied into one flat buffer (two copies while it copies), the float32 partition,
-        # a gradient buffer for the largest sub-group (freed), the reduce bucket and the gradients'
-        # flat partition.  The optimizer's own state waits for the first step (torch's, lazily).
-        setup=max(
-            (model.state_bytes if eager else 0) + shard(weights, n),
-            2 * shard(weights, n),
-            shard(weights, n) + shard(masters, n) + sub_group,
-            shard(weights, n) + shard(masters, n) + reduce_bucket + shard(numel * elem, n),
-        ),
+        extra=masters_copy + reduce_bucket,
+        why=("float32 master partition, " if half else "") + "reduce bucket",
+        # The engine waits for the first forward (DeepSpeedModel): set-up holds an eager model whole,
+        # a meta one as its partitions, each tensor computed whole one at a time.  The build, at the
+        # first forward, stays under the step's peak: the partitions copied into one flat buffer (two
+        # copies while it copies), a gradient buffer for the largest sub-group (freed), the reduce
+        # bucket and the gradients' flat partition; the optimizer's state waits for the first step.
+        setup=model.state_bytes if eager else None,
         # The optimizer steps one sub-group of the flat float32 partition at a time.
         transient=training.temporaries * sub_group + live,
     ).with_optimizer(shard(state, n))

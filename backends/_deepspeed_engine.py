@@ -25,12 +25,21 @@ from ._deepspeed_zero import forget_reduced_gradients
 class DeepSpeedModel(nn.Module):
     """What ``wrap_model`` returns: the user's module (``.module``) and, once
     built, its DeepSpeed engine (``.engine``).  Calls go through the engine;
-    attributes the wrapper lacks are the engine's (``model.save_checkpoint``)."""
+    attributes the wrapper lacks are the engine's (``model.save_checkpoint``).
+
+    The engine is built by ``wrap_optimizer``, except under ZeRO-3, where the
+    optimizer waits (``defer``) and the engine is built at the first call that
+    needs it: the first forward, ``optimizer.step()`` or ``zero_grad()``, a
+    checkpoint, a weight average.  ZeRO-3's optimizer allocates this rank's
+    gradient partition when it is built, memory torch's optimizers take at the
+    first backward; set-up then holds the parameters' partitions only, from a
+    model built on the meta device.  Every rank reaches these calls in the same
+    order, as every rank reaches the collectives they make."""
 
     def __init__(
         self,
         module: nn.Module,
-        build: Callable[[DeepSpeedModel, None], Any],
+        build: Callable[[DeepSpeedModel, torch.optim.Optimizer | None], None],
         watch: Watch,
         lockstep: ForwardLockstep | None = None,
     ) -> None:
@@ -40,38 +49,61 @@ class DeepSpeedModel(nn.Module):
         object.__setattr__(self, "build", build)
         object.__setattr__(self, "watch", watch)
         object.__setattr__(self, "lockstep", lockstep)
-        object.__setattr__(self, "engine", None)
-        object.__setattr__(self, "trains", False)  # built with an optimizer
+        object.__setattr__(self, "_engine", None)
+        object.__setattr__(self, "ds_optimizer", None)  # the engine's ZeRO (or plain) optimizer
+        object.__setattr__(self, "pending", None)  # the optimizer the engine is to be built with
+        object.__setattr__(self, "trains", False)  # built, or to be built, with an optimizer
+
+    @property
+    def engine(self) -> Any:
+        """The engine, built now if an optimizer waits for it (None: no optimizer came and no forward ran)."""
+        if self._engine is None and self.pending is not None:
+            self.build_now(self.pending)
+        return self._engine
+
+    @property
+    def built(self) -> bool:
+        return self._engine is not None
+
+    def defer(self, optimizer: torch.optim.Optimizer) -> None:
+        object.__setattr__(self, "pending", optimizer)
+        object.__setattr__(self, "trains", True)
+
+    def build_now(self, optimizer: torch.optim.Optimizer | None) -> None:
+        with keep_rng_state(), self.watch("building the DeepSpeed engine (a collective: every rank builds it)"):
+            self.build(self, optimizer)  # as in every set-up call: the user's random numbers stay theirs
+        object.__setattr__(self, "pending", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None:
-            with keep_rng_state():  # as in every set-up call: the user's random numbers stay theirs
-                self.build(self, None)  # no optimizer came: an engine for inference
-        if self.lockstep is not None:
+        if self.lockstep is not None:  # before a build, which waits for every rank in DeepSpeed's own collectives
             self.lockstep.check(self.training)
+        if self._engine is None:
+            self.build_now(self.pending)  # None: no optimizer came, an engine for inference
         with self.watch("forward (ZeRO-3 gathers parameters in it)"):
-            return self.engine(*args, **kwargs)
+            return self._engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DeepSpeedModel:
         super().train(mode)
-        if self.engine is not None:
-            self.engine.train(mode)
+        if self._engine is not None:
+            self._engine.train(mode)
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if self.trains:  # and what ZeRO 2 and 3 reduced apart from param.grad (DeepSpeedOptimizer.zero_grad)
-            self.engine.optimizer.zero_grad(set_to_none=True)
-            forget_reduced_gradients(self.engine.optimizer)
+        if self._engine is not None and self.trains:
+            # and what ZeRO 2 and 3 reduced apart from param.grad (DeepSpeedOptimizer.zero_grad)
+            self._engine.optimizer.zero_grad(set_to_none=True)
+            forget_reduced_gradients(self._engine.optimizer)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            engine = self.__dict__.get("engine")
-            if engine is None:
+            # Not for its own properties: one that raised inside (a failed build) is not retried here.
+            own = name.startswith("_") or name in ("engine", "built")
+            if own or (self.__dict__.get("_engine") is None and self.__dict__.get("pending") is None):
                 raise
-            return getattr(engine, name)
+            return getattr(self.engine, name)
 
 
 class DeepSpeedOptimizer(torch.optim.Optimizer):
@@ -85,9 +117,13 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called: it would build param groups of its own,
     # and these must be the very ones DeepSpeed's optimizer steps with.
-    def __init__(self, engine: Any, optimizer: Any, params: list[nn.Parameter] | None = None) -> None:
-        self.engine = engine
-        self.optimizer = optimizer
+    def __init__(
+        self, model: DeepSpeedModel, optimizer: torch.optim.Optimizer, params: list[nn.Parameter] | None = None
+    ) -> None:
+        #: The model whose engine this optimizer steps (built by the first call that needs it).
+        self.model = model
+        #: The user's optimizer: DeepSpeed's steps it on its partitions, with these same groups and state.
+        self.given = optimizer
         #: The trained parameters in the user's groups' order (ZeRO replaces
         #: them in ``param_groups`` by its flat partitions): the order in which
         #: the clipping norm adds them up, as torch's does.
@@ -105,28 +141,45 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
 
     @property
+    def engine(self) -> Any:
+        return self.model.engine
+
+    @property
+    def optimizer(self) -> Any:
+        """The engine's optimizer (ZeRO's, or DeepSpeed's wrapper of the user's)."""
+        self.model.engine  # noqa: B018  # built if it waits
+        return self.model.ds_optimizer
+
+    @property
+    def _groups_owner(self) -> Any:
+        # Before the build the groups and the state are the user's optimizer's, the very objects
+        # DeepSpeed's optimizer then keeps (ZeRO swaps only each group's "params"): a scheduler
+        # built now, or an lr read on one rank, needs no engine.
+        return self.model.ds_optimizer if self.model.built else self.given
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self._groups_owner.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self._groups_owner.param_groups = value
 
     @property
     def state(self) -> Any:
-        return self.optimizer.state
+        return self._groups_owner.state
 
     @state.setter
     def state(self, value: Any) -> None:
-        self.optimizer.state = value
+        self._groups_owner.state = value
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return getattr(self.optimizer, "defaults", {})
+        return getattr(self._groups_owner, "defaults", {})
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self._groups_owner.defaults = value
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
@@ -178,13 +231,19 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"DeepSpeedOptimizer({type(self.optimizer).__name__})"
+        return f"DeepSpeedOptimizer({type(self._groups_owner).__name__})"
 
     def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
+        model = self.__dict__.get("model")
+        # Not torch's probes of its own attributes (_opt_called), nor a property of this class that
+        # raised inside (a failed build): those build nothing here.
+        if (
+            model is None
+            or name.startswith("_")
+            or name in ("engine", "optimizer", "param_groups", "state", "defaults")
+        ):
             raise AttributeError(name)
-        return getattr(inner, name)
+        return getattr(self.optimizer, name)
 
 
 def graph_parameters(loss: torch.Tensor) -> set[int]:

@@ -463,3 +463,32 @@ def weight_pieces(module: nn.Module, rank: int) -> Layout:
             if rank == 0:
                 pieces.append(Piece(name, 0, t.detach().reshape(-1)))
     return Layout(tensors, pieces)
+
+
+def share_float32_masters() -> None:
+    """Let ZeRO-3 keep a float32 partition as its own master copy, as DeepSpeed means it to.
+
+    ZeRO-3's optimizer skips the master copy of a partition that is already in the masters' dtype on
+    its device (``DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions``), but it compares the
+    partition's ``torch.device`` with the device's name, a ``str``, which torch never finds equal
+    (0.19.8, on the CPU and on CUDA): a float32 run holds every partition twice, 0.5x the model per
+    rank at 2 processes, from set-up on.  The device is a ``torch.device`` for that call only.
+    Installed once per process; a later DeepSpeed that compares correctly is unaffected."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    original = Stage3._create_fp32_partitions
+    if getattr(original, "__parallelx__", False):
+        return
+
+    def create_fp32_partitions(self: Any) -> Any:
+        named = self.device
+        if isinstance(named, str):
+            self.device = torch.device(named)
+        try:
+            return original(self)
+        finally:
+            self.device = named
+
+    create_fp32_partitions.__parallelx__ = True  # type: ignore[attr-defined]
+    create_fp32_partitions.__wrapped__ = original  # type: ignore[attr-defined]
+    Stage3._create_fp32_partitions = create_fp32_partitions

@@ -4,8 +4,10 @@
 
 DeepSpeed builds its engine from the model and the optimizer together.
 ``wrap_model`` returns a :class:`DeepSpeedModel` whose engine is built when the
-optimizer arrives (``wrap_optimizer``), or at the first forward when there is
-none; ``setup(model, optimizer)`` does both at once.  The optimizer returned is
+optimizer arrives (``wrap_optimizer``), under ZeRO-3 at the first call that
+needs it (the optimizer waits: set-up then holds the parameters' partitions
+only), or at the first forward when there is no optimizer;
+``setup(model, optimizer)`` does both at once.  The optimizer returned is
 a :class:`DeepSpeedOptimizer`, a ``torch.optim.Optimizer`` whose ``step()`` and
 ``zero_grad()`` are the engine's, so LR schedulers and the plain loop
 (``backend.backward(loss); optimizer.step(); optimizer.zero_grad()``) work.
@@ -263,6 +265,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         joined = self.read_world(device)
         if self.zero_stage == 3:
             return_freed_memory(device)  # the gathered parameters' blocks, freed every step (_allocator)
+            zero_state.share_float32_masters()
         self.sync = DeepSpeedSync(self.run.models, joined.comm, self.config, self.wrapped)
         if self.math_changes:
             warn(
@@ -303,6 +306,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     def weight_pieces(self, model: nn.Module) -> Layout:
         if self.zero_stage == 3:  # each rank writes its partitions
+            self.engine_of(model)  # an eagerly built model is partitioned by its engine
             return zero_state.weight_pieces(unwrap(model), self.run.world.rank)
         return super().weight_pieces(model)
 
@@ -323,20 +327,22 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "parameters belong to several models; give each model its own optimizer"
             )
         owner = owners[-1]
-        if owner.engine is not None:
+        if owner.built or owner.pending is not None:
             raise ParallelxError(
                 "deepspeed: the model's engine was already built without an optimizer (a forward "
-                "ran before wrap_optimizer, or it was wrapped twice); call wrap_optimizer right "
+                "ran before wrap_optimizer), or it has one; call wrap_optimizer once, right "
                 "after wrap_model, or use backend.setup(model, optimizer)"
             )
-        built = self.build(owner, optimizer)
-        assert built is not None  # an optimizer was given
-        return built
-
-    def build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> DeepSpeedOptimizer | None:
-        """Build ``wrapped``'s engine, with ``optimizer`` or for inference only (no optimizer)."""
         # Taken before ZeRO swaps the groups' parameters for its flat partitions.
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad] if optimizer else []
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if self.zero_stage == 3:
+            owner.defer(optimizer)  # built by the first call that needs the engine (DeepSpeedModel)
+        else:
+            owner.build_now(optimizer)
+        return DeepSpeedOptimizer(owner, optimizer, params)
+
+    def build(self, wrapped: DeepSpeedModel, optimizer: torch.optim.Optimizer | None) -> None:
+        """Build ``wrapped``'s engine, with ``optimizer`` or for inference only (no optimizer)."""
         scalars = [n for n, p in wrapped.module.named_parameters() if p.dim() == 0]
         if scalars:
             # DeepSpeed broadcasts every parameter viewed as bytes (`p.data.view(torch.uint8)`, in the
@@ -356,10 +362,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=config)
         if self.run.compile_options.enabled:
             engine.compile(compile_kwargs=self.run.compile_options.kwargs)
-        object.__setattr__(wrapped, "engine", engine)
+        object.__setattr__(wrapped, "_engine", engine)
+        object.__setattr__(wrapped, "ds_optimizer", ds_optimizer)
         object.__setattr__(wrapped, "trains", optimizer is not None)
         engine.train(wrapped.training)
-        return DeepSpeedOptimizer(engine, ds_optimizer, params) if optimizer is not None else None
+
+    def engine_of(self, model: nn.Module) -> None:
+        """Build the engine of ``model`` (wrapped or not) if its optimizer waits for it."""
+        for m in self.wrapped:
+            if model is m or model is m.module or model is m._engine:
+                m.engine  # noqa: B018
 
     def parameter_shards(self, model: nn.Module) -> ParameterShards:
         if any(self.config.get(kind, {}).get("enabled") for kind in ("fp16", "bf16")):
@@ -374,6 +386,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         module = unwrap(model)
         if self.zero_stage != 3:
             return ParameterShards(module)
+        self.engine_of(model)
         if not all(hasattr(p, "ds_tensor") for p in module.parameters()):
             raise ParallelxError(
                 "deepspeed: the model's ZeRO-3 engine is not built yet; make the weight average after "
@@ -506,7 +519,7 @@ class DeepSpeedSync(GradientSync):
         named: DeepSpeedModel | None = None
         if model is not None:
             for m in self.wrapped:
-                if model is m or model is m.engine or model is m.module:
+                if model is m or model is m._engine or model is m.module:
                     named = m
                     break
             else:

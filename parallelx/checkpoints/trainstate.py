@@ -449,11 +449,17 @@ def _check_counters(counters: Mapping[str, int]) -> dict[str, int]:
 
 
 def _optimizer_type(optimizer: Any) -> str:
-    """The class name of the user's optimizer inside a backend's wrappers."""
+    """The class name of the user's optimizer inside a backend's wrappers: each wrapper holds the
+    optimizer it wraps as ``optimizer``, or as ``given`` where that is the user's own, held until an
+    engine is built around it (DeepSpeed's ZeRO-3).  Read without building anything: rank 0 alone
+    calls this."""
     inner = optimizer
-    while checkpoint.is_optimizer(getattr(inner, "__dict__", {}).get("optimizer")):
-        inner = inner.__dict__["optimizer"]
-    return type(inner).__name__
+    while True:
+        attrs = getattr(inner, "__dict__", {})
+        nested = next((attrs[k] for k in ("optimizer", "given") if checkpoint.is_optimizer(attrs.get(k))), None)
+        if nested is None:
+            return type(inner).__name__
+        inner = nested
 
 
 def _metadata(backend: Backend, optimizer_type: str | None, step: int) -> dict[str, Any]:

@@ -16,6 +16,10 @@ Sections (``--cases``):
   (a rotary ``inv_freq``, ``nn.Parameter(torch.randn(...))``) is refused with a ``ParallelxError`` naming
   them and ``parallelx.init_module()`` (not torch's ``Cannot copy out of meta tensor``).
 
+- ``setup``: what set-up leaves for the first step (``case_setup``): under ZeRO-3 the engine waits for
+  the first forward, a scheduler and a one-rank read of the learning rate build nothing, and ZeRO-3's
+  float32 partitions are its masters.
+
 Every rank writes ``<out>/rank<r>.json``.
 """
 
@@ -341,7 +345,43 @@ def case_save(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
     return report
 
 
+def case_setup(backend: parallelx.Backend) -> dict[str, Any]:
+    """What set-up leaves for the first step: a GPT built under ``parallelx.init_module()``, set up with
+    AdamW, a scheduler built at once and the learning rate read on rank 0 alone (a one-rank branch that
+    must not wait for the others).  Under ZeRO-3 the engine (its gradient partition) waits for the
+    first forward: ``built`` after each point; after the step, whether ZeRO-3's float32 partitions are
+    its masters (no second copy) and whether the scheduler's groups are the ones the update uses."""
+    torch.manual_seed(0)
+    with parallelx.init_module():
+        model = GPT(CFG)
+    given = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = backend.setup(model, given)
+    assert optimizer is not None
+
+    def built() -> bool | None:
+        return getattr(model, "built", None)  # DeepSpeed's wrapper says; the others have no engine
+
+    report: dict[str, Any] = {"after_setup": built()}
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    if backend.is_main():
+        report["lr"] = optimizer.param_groups[0]["lr"]
+    report["after_scheduler_and_lr"] = built()
+    backend.barrier()
+    model.train()
+    train_step(backend, model, optimizer)
+    scheduler.step()
+    report["after_step"] = built()
+    report["lr_after"] = optimizer.param_groups[0]["lr"]
+    report["same_groups"] = all(a is b for a, b in zip(optimizer.param_groups, given.param_groups, strict=True))
+    zero = getattr(optimizer, "optimizer", None)
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        pairs = zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True)
+        report["masters_shared"] = [master.data_ptr() == weights.data_ptr() for master, weights in pairs]
+    return report
+
+
 CASES: dict[str, Case] = {
+    "setup": lambda b, out: case_setup(b),
     "save": case_save,
     "meta": lambda b, out: case_meta(b),
     "plain": lambda b, out: case_plain(b),

@@ -37,7 +37,7 @@ class FakeEngine:
 
 class FakeWrapped:
     def __init__(self, module: nn.Module, engine: FakeEngine) -> None:
-        self.module, self.engine, self.trains = module, engine, True
+        self.module, self.engine, self._engine, self.trains = module, engine, engine, True
 
 
 def two_models(torch_style: bool, fp16: bool = False) -> tuple[DeepSpeedSync, list[Any]]:

@@ -122,19 +122,24 @@ def test_each_backend_gives_its_rows_from_its_strategy():
             assert backend_class(name).estimate_memory(c, 2, t), name
 
 
-def test_zero3_set_up_is_what_deepspeeds_stage3_optimizer_allocates_before_the_first_step():
-    """From the meta device: the partitions' flat copy, the float32 partition, the reduce bucket and
-    the gradients' flat partition (stage3.py's `_setup_for_real_optimizer`); AdamW's state waits for
-    the first step, so it is in the peak but not in the set-up."""
+def test_zero3_set_up_holds_the_partitions_and_the_engine_waits_for_the_first_forward():
+    """From the meta device set-up holds this rank's partitions and one tensor computed whole; the
+    engine (the gradients' flat partition, the reduce bucket) is built at the first forward and
+    AdamW's state at the first step, both in the peak.  Float32 weights are their own masters;
+    under 16-mixed a float32 partition is added."""
     with torch.device("meta"):
         c = estimate.count_model(Tied(vocab=1000, width=512))
     t = estimate.Training(build="meta")
     zero3 = {r.backend: r for r in DeepSpeedStrategy.estimate_memory(c, 2, t)}["deepspeed zero3"]
     share = estimate.shard(c.trainable_bytes, 2)
-    # `extra`: the float32 partition and the reduce bucket.
-    assert zero3.params == estimate.shard(c.param_bytes, 2) and zero3.grads == share and zero3.extra > share
-    assert zero3.setup == zero3.params + zero3.extra + zero3.grads, zero3
-    assert zero3.optimizer == 2 * share and zero3.peak >= zero3.setup + zero3.optimizer
+    assert zero3.params == estimate.shard(c.param_bytes, 2) and zero3.grads == share and zero3.extra < share
+    assert zero3.setup == zero3.params + c.buffer_bytes + c.largest_tensor_bytes, zero3
+    assert zero3.optimizer == 2 * share and zero3.peak >= zero3.params + zero3.grads + zero3.optimizer
+    eager = {r.backend: r for r in DeepSpeedStrategy.estimate_memory(c, 2, estimate.Training())}["deepspeed zero3"]
+    assert eager.setup == c.state_bytes  # whole until the engine partitions it
+    half = {r.backend: r for r in DeepSpeedStrategy.estimate_memory(c, 2, estimate.Training(precision="16-mixed"))}
+    masters = estimate.shard(4 * c.trainable_numel, 2)  # a float32 partition beside the 16-bit one
+    assert half["deepspeed zero3"].extra > masters > zero3.extra
 
 
 def test_zero_sizes_follow_the_model_and_the_users_config_wins():
