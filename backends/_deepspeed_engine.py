@@ -70,7 +70,7 @@ class DeepSpeedModel(nn.Module):
         object.__setattr__(self, "trains", True)
 
     def build_now(self, optimizer: torch.optim.Optimizer | None) -> None:
-        with keep_rng_state(), self.watch("building the DeepSpeed engine (a collective: every rank builds it)"):
+        with keep_rng_state(), self.watch("engine build (DeepSpeed's, a collective)"):
             self.build(self, optimizer)  # as in every set-up call: the user's random numbers stay theirs
         object.__setattr__(self, "pending", None)
 

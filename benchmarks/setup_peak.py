@@ -5,7 +5,7 @@ to ``parallelx.init_weights`` (``plain``), 2 processes on the CPU.
     torchrun --nproc-per-node 2 benchmarks/setup_peak.py --backend fsdp --build meta
     deepspeed --num_gpus 2 benchmarks/setup_peak.py --backend deepspeed --zero-stage 3 --build meta
 
-Peak RSS growth over the interpreter after ``import torch`` and ``backend.init()`` (``ru_maxrss``,
+Peak RSS growth over the interpreter after ``import torch`` and ``backend.init()`` (``VmHWM``,
 which only grows), after the build, after ``backend.wrap_model`` (the weights in place: under
 DeepSpeed the engine is built at the optimizer) and after ``backend.wrap_optimizer(AdamW)`` (the
 whole set-up, no step); rank 0 prints one JSON line per rank.  The model: ``tests/support/gpt.py``'s GPT, width 1024, 16 layers,
@@ -23,7 +23,21 @@ from pathlib import Path
 
 import torch
 
-AFTER_TORCH = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the issue's baseline: after import torch
+
+def peak() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` on Linux.  ``ru_maxrss`` would also do, but it keeps
+    the launcher's RSS at the fork (and any peak before ``execve``), which can hide growth after it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # KiB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+AFTER_TORCH = peak()  # the issue's baseline: after import torch
 
 from torch import nn  # noqa: E402
 
@@ -44,10 +58,6 @@ def init_gpt(model: nn.Module) -> None:
             nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * CFG.layers))
     nn.init.ones_(model.logit_scale)
     nn.init.zeros_(model.frozen_shift)
-
-
-def peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
 
 
 def main() -> int:

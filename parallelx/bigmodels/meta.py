@@ -146,11 +146,15 @@ class Recording(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        out = func(*args, **kwargs)
-        ins = _metas((args, kwargs))
-        outs = _metas(out)
         name = getattr(func, "__name__", "")
         target = _mutated(name, args, kwargs)
+        # A draw in place into a meta tensor changes nothing on meta, and torch's meta `normal_` (and
+        # the inits built on it) imports torch._dynamo and sympy, 150 MiB a process, for nothing (a
+        # torch optimizer's constructor imports the same; a model only evaluated is spared it).  The
+        # draw itself is made below, on a scratch tensor, which checks its arguments as eager would.
+        out = target if target is not None and name in RANDOM else func(*args, **kwargs)
+        ins = _metas((args, kwargs))
+        outs = _metas(out)
         in_keys = {_key(t) for t in ins}
         made = {_key(t) for t in outs} - in_keys
         if not made and target is None:

@@ -27,6 +27,11 @@ FIX_BRANCH = (
     "some ranks take (`if backend.is_main:`, `if rank == 0:`, a data-dependent `if`/`break`): call it on every "
     "rank, or move it out of the branch"
 )
+FIX_BUILD = (
+    "an engine is built by the first call that needs it (DeepSpeed ZeRO-3: the first forward, "
+    "optimizer.step(), zero_grad() or state_dict(), a checkpoint, a weight average), and the build is a "
+    "collective: make that first call on every rank, outside `if backend.is_main:`"
+)
 FIX_SHAPES = (
     "every rank must pass a tensor of the same shape and dtype (gather rows of different lengths with "
     "backend.all_gather, which pads them, or agree on the size first)"
@@ -172,7 +177,9 @@ def verdict(states: Mapping[int, State | None]) -> str:
     why = f"{_ranks(odd)} ran code the others did not" if odd else "the ranks ran different code before this point"
     kinds = {answered[r]["call"]["kind"] for r in waiting}
     outers = {(answered[r].get("outer") or {}).get("kind") for r in waiting}
-    if "forward" in kinds:
+    if "engine build" in kinds:
+        fix = FIX_BUILD
+    elif "forward" in kinds:
         fix = f"a forward of a sharded model on some ranks only (rank-0-only evaluation): {FIX_EVAL}"
     elif "save" in kinds or "save" in outers:
         fix = f"a save inside `if backend.is_main:`: {FIX_SAVE}"

@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(12
 MiB = 2**20
 #: What the estimate leaves out of the step that does not scale with the model (see the docstring).
 FIXED_STEP = 128 * MiB
-#: And of the set-up: DeepSpeed's engine and optimizer touch code and allocator pages while they
-#: initialise (measured beyond the tensors it allocates: 55 MiB for this model, 23-44 MiB for the
-#: 202 M GPT); ddp and fsdp measured within 3 MiB of their estimates.
+#: And of the set-up: what a process touches beyond the tensors while a backend sets up (ddp, fsdp and
+#: ZeRO-3, whose engine waits for the first forward, measured within 3 MiB of their estimates here;
+#: DeepSpeed's engine, when it was built at set-up, 23-55 MiB).
 FIXED_SETUP = 64 * MiB
 OVER, UNDER = 0.25, 0.10
 

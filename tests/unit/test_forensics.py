@@ -102,6 +102,18 @@ def test_verdict_a_collective_in_a_branch_and_a_save_inside_is_main() -> None:
     assert "rank 0 is in all_gather #9 inside save #8 (train.py:70)" in text and verdict.FIX_SAVE in text
 
 
+def test_verdict_an_engine_built_on_one_rank() -> None:
+    """ZeRO-3's engine is built by the first call that needs it: a one-rank ``optimizer.state_dict()``
+    before any training builds it on rank 0 alone while rank 1 is in its first forward."""
+    states = {
+        0: waiting(0, "engine build", 1, "train.py:10", detail="DeepSpeed's, a collective", sites={}),
+        1: waiting(1, "forward", 1, "train.py:11", detail="training mode", sites={}),
+    }
+    text = verdict.verdict(states)
+    assert text.startswith("rank 0 is in engine build #1 (train.py:10) while rank 1 is in"), text
+    assert verdict.FIX_BUILD in text and verdict.FIX_EVAL not in text
+
+
 def test_verdict_at_many_ranks_names_the_others_as_ranges() -> None:
     """A rehearsal at 16 ranks: rank 0 alone in a branch, the others in a barrier, and two of
     them not there at all; the verdict names them as ranges, not as 15 numbers."""
