@@ -482,7 +482,7 @@ def share_float32_masters() -> None:
 
     def create_fp32_partitions(self: Any) -> Any:
         named = self.device
-        if isinstance(named, str):
+        if isinstance(named, str) and not self.offload_optimizer:  # offloaded masters are always copies
             self.device = torch.device(named)
         try:
             return original(self)
