@@ -212,8 +212,9 @@ def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Train
 
     Under ``16-mixed`` DeepSpeed's float16 engine holds the weights and gradients in float16 and
     a float32 master copy; otherwise the weights stay float32 and ZeRO 1 and 2 still clone their
-    float32 partition (the masters) from them, where ZeRO-3 steps its float32 partitions in place.  Stages 1 and 2 flatten the weights into one
-    buffer (a second copy while it is made); ZeRO 2 and 3 reduce the gradients through one
+    float32 partition (the masters) from them, where ZeRO-3 steps its float32 partitions in place.
+    Stages 1 and 2 flatten the weights into one buffer (a second copy while it is made); ZeRO 2 and
+    3 reduce the gradients through one
     bucket of ``reduce_bucket_size`` elements, ZeRO-3 gathers at most
     ``stage3_max_live_parameters`` elements plus one prefetch."""
     n = max(1, world_size)

@@ -369,9 +369,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     def engine_of(self, model: nn.Module) -> None:
         """Build the engine of ``model`` (wrapped or not) if its optimizer waits for it."""
-        for m in self.wrapped:
-            if model is m or model is m.module or model is m._engine:
-                m.engine  # noqa: B018
+        owner = wrapper_of(self.wrapped, model)
+        if owner is not None:
+            owner.engine  # noqa: B018
 
     def parameter_shards(self, model: nn.Module) -> ParameterShards:
         if any(self.config.get(kind, {}).get("enabled") for kind in ("fp16", "bf16")):
@@ -413,6 +413,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"{o.grad_compression} separately; the update differs from the other backends (which round the "
                 "window's sum once) by that rounding"
             )
+
+
+def wrapper_of(wrapped: list[DeepSpeedModel], model: nn.Module) -> DeepSpeedModel | None:
+    """The wrapper of ``model``, given as the wrapper, the user's module or a built engine."""
+    return next((m for m in wrapped if model is m or model is m.module or model is m._engine), None)
 
 
 class DeepSpeedSync(GradientSync):
@@ -518,11 +523,8 @@ class DeepSpeedSync(GradientSync):
         trained = [m for m in self.wrapped if m.trains]
         named: DeepSpeedModel | None = None
         if model is not None:
-            for m in self.wrapped:
-                if model is m or model is m._engine or model is m.module:
-                    named = m
-                    break
-            else:
+            named = wrapper_of(self.wrapped, model)
+            if named is None:
                 raise ParallelxError("deepspeed: backward(loss, model=...) names a model not set up by this backend")
             if not named.trains:
                 raise ParallelxError(
