@@ -94,8 +94,20 @@ class Forensics:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the thread and wait for it: at most ``wait_s``, by default the answer window (the
+        bound of a store call).  A second close waits for nothing.
+
+        Not waiting once killed processes at exit: a daemon thread still inside a store call
+        (C++, the GIL released) when the interpreter finalises is ended by Python as it takes
+        the GIL back, and the unwinding crosses a C++ destructor, which aborts the process
+        ("terminate called without an active exception", exit 134) after its work was done."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(answer_window(self.timeout_s) + 1.0 if wait_s is None else max(0.0, wait_s))
 
     def _run(self) -> None:
         limit = alarm_after(self.timeout_s)
@@ -230,10 +242,11 @@ class Forensics:
             except Exception:  # the store went with a failed peer: the error itself is reported as before
                 pass
 
+        deadline = time.monotonic() + 2 * window + 1.0
         teller = threading.Thread(target=tell, name="parallelx-forensics-report", daemon=True)
         teller.start()
-        teller.join(2 * window + 1.0)
-        self.close()
+        teller.join(deadline - time.monotonic())
+        self.close(wait_s=deadline - time.monotonic())
 
     def _dump_stacks(self) -> str:
         assert self.stacks_dir is not None

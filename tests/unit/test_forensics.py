@@ -211,6 +211,29 @@ def test_two_ranks_print_the_same_verdict_on_a_raise() -> None:
     assert "while rank 0 waits in all_reduce #1 (test_forensics.py:" in printed[1]
 
 
+class SlowStore(DictStore):
+    """A store whose every check takes a while, as a TCP store's does on a loaded machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_check = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.in_check.set()
+        time.sleep(0.3)
+        return super().check(keys)
+
+
+def test_close_returns_after_the_thread_has_left_the_store() -> None:
+    # A thread left inside a store call (C++ under a real store) when the interpreter finalises
+    # aborts the process at exit (see Forensics.close).
+    store = SlowStore()
+    f = exchange.Forensics(1, 2, store, 10.0, recorder=Recorder()).start()
+    assert store.in_check.wait(5)
+    f.close()
+    assert f._thread is not None and not f._thread.is_alive()
+
+
 def test_a_parallelx_error_out_of_a_call_is_a_raise_not_a_wait() -> None:
     rec = Recorder()
     f = exchange.Forensics(0, 1, DictStore(), 10.0, recorder=rec)
