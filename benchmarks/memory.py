@@ -68,7 +68,7 @@ REPLICAS = {"hsdp": 2}
 #: Configs the cases above name, written into the work folder.
 CONFIGS = {"bucket5e7.json": {"zero_optimization": {"reduce_bucket_size": 50_000_000}}}
 IMAGE_MODELS = ("vgg16", "lenet")
-GPT_MODELS = ("gpt-200m", "gpt-20m", "gpt-recipe")
+GPT_MODELS = ("gpt-200m", "gpt-200m-vocab", "gpt-20m", "gpt-recipe")
 #: The phases each rank reports its peak through, in order.
 PHASES = ("build", "setup", "step")
 
@@ -92,6 +92,12 @@ def _gpt(n_layer: int, n_embd: int, vocab_size: int = 256, block_size: int = 256
 def gpt_200m() -> nn.Module:
     """202 M parameters (771 MiB in float32): 16 blocks of width 1024, 256 tokens."""
     return _gpt(16, 1024)
+
+
+def gpt_200m_vocab() -> nn.Module:
+    """203 M parameters with GPT-2's vocabulary (50,304 tokens, its embedding tied to the output: 197 MiB,
+    a quarter of the model): 12 blocks of width 1024.  The largest single tensor, for set-up's peak."""
+    return _gpt(12, 1024, vocab_size=50304)
 
 
 def gpt_20m() -> nn.Module:
@@ -123,7 +129,12 @@ def llama_7b() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-FACTORIES: dict[str, Callable[[], nn.Module]] = {"gpt-200m": gpt_200m, "gpt-20m": gpt_20m, "gpt-recipe": gpt_recipe}
+FACTORIES: dict[str, Callable[[], nn.Module]] = {
+    "gpt-200m": gpt_200m,
+    "gpt-200m-vocab": gpt_200m_vocab,
+    "gpt-20m": gpt_20m,
+    "gpt-recipe": gpt_recipe,
+}
 
 
 # ------------------------------------------------------------ measuring
@@ -200,7 +211,8 @@ def worker(args: argparse.Namespace) -> int:
         phases: dict[str, int] = {}
         torch.manual_seed(0)
         if args.model in FACTORIES:
-            with parallelx.init_module() if args.build == "meta" else contextlib.nullcontext():
+            building = {"meta": parallelx.init_module, "plain": lambda: torch.device("meta")}
+            with building.get(args.build, contextlib.nullcontext)():
                 model = FACTORIES[args.model]()
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             g = torch.Generator().manual_seed(backend.rank)
@@ -320,7 +332,9 @@ def estimates(args: argparse.Namespace, nprocs: list[int]) -> dict[str, dict[int
     if args.model in FACTORIES:
         with torch.device("meta"):
             model = FACTORIES[args.model]()
-        training = estimate.Training(optimizer="adamw", precision=args.precision or "32", build=args.build)
+        training = estimate.Training(
+            optimizer="adamw", precision=args.precision or "32", build="eager" if args.build == "eager" else "meta"
+        )
     else:
         with torch.device("meta"):
             model = build_model(
@@ -383,9 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one untimed (image models)")
     p.add_argument(
         "--build",
-        choices=("eager", "meta"),
+        choices=("eager", "meta", "plain"),
         default="eager",
-        help="GPT models: built whole on every rank (eager), or under parallelx.init_module() (meta)",
+        help="GPT models: built whole on every rank (eager), under parallelx.init_module() (meta), or under "
+        "torch.device('meta'), the modules' reset_parameters() giving the values (plain)",
     )
     p.add_argument("--launch-timeout", type=float, default=600, help="seconds per launch")
     p.add_argument("--tiny", action="store_true", help="LeNet, 2 processes, ddp and fsdp, 1 step: a smoke test")

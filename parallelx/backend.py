@@ -161,6 +161,15 @@ class Backend:
         )
 
     def __init__(self, strategy: Strategy, options: Options | None = None) -> None:
+        if not isinstance(strategy, Strategy):
+            raise ParallelxError(
+                f"parallelx.Backend takes a backend's Strategy, not {type(strategy).__name__} {strategy!r}: for a "
+                f"backend by name write `parallelx.get_backend({strategy!r})` (options as keywords, e.g. "
+                "`timeout=60`), or `parallelx.from_args(args)` after `parallelx.add_arguments(parser)`"
+                if isinstance(strategy, str)
+                else f"parallelx.Backend takes a backend's Strategy, not {type(strategy).__name__}: write "
+                "`parallelx.get_backend(name)`"
+            )
         options = options or Options()
         spec = strategy.spec
         #: The strategy this facade runs (``backends/<name>.py``).

@@ -206,6 +206,11 @@ def test_the_facade_is_not_subclassed():
     assert parallelx.get_backend("single").strategy.spec.name == "single"
 
 
+def test_a_backend_name_given_to_the_facade_says_what_to_write():
+    with pytest.raises(ParallelxError, match=r"parallelx.get_backend\('ddp'\)"):
+        Backend("ddp")  # type: ignore[arg-type]
+
+
 def test_auto_is_a_backend_name_everywhere():
     spec = parallelx.describe("auto")
     assert spec.name == parallelx.detect_backend()
