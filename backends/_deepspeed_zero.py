@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
-from parallelx.bigmodels.meta import Values, forget, put
+from parallelx.bigmodels.meta import Slot, Values, forget, put
 from parallelx.errors import ParallelxError
 from parallelx.parts.portable import to_cpu
 from parallelx.parts.state import check_named_groups, indexed_optimizer_state, named_from_indexed
@@ -417,8 +417,17 @@ def materialize_partitioned(model: nn.Module, config: dict[str, Any], device: to
     values = Values(model, who)  # a model it cannot compute is refused before anything changes
     rank = torch.distributed.get_rank()
     first: Any = None
-    for module in model.modules():
-        slots = [s for s in values.slots if s.owners[0][0] is module]
+    owned: dict[int, list[Slot]] = {}
+    for s in values.slots:
+        owned.setdefault(id(s.owners[0][0]), []).append(s)
+    # The modules with the largest tensors first: each is made whole (or its storage filled by the
+    # conversion's broadcast) while the fewest partitions exist yet (see fsdp's materialize_shards).
+    modules = sorted(
+        model.modules(),
+        key=lambda m: -max((s.meta.numel() for s in owned.get(id(m), []) if s.meta is not None), default=0),
+    )
+    for module in modules:
+        slots = owned.get(id(module), [])
         for s in slots:
             if not s.is_param:  # buffers stay whole on every rank
                 put(s, values.whole(s).to(device))

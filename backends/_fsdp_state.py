@@ -215,11 +215,14 @@ def load_sharded_state(
 def materialize_shards(module: nn.Module, values: Values, device: torch.device) -> None:
     """Give a model sharded on the meta device its weights: each tensor computed whole on the CPU
     (``values``, the same on every rank), this rank's slice kept, the rest dropped at once; a rank
-    holds its shards and one whole tensor at most."""
+    holds its shards and one whole tensor at most.  The largest tensors first: a shard's pages are
+    only resident once written, so each whole tensor then meets the fewest shards already written
+    (an untied output layer last in the model would otherwise sit on nearly all of them)."""
     kept = {n: full(t) for n, t in [*module.named_parameters(), *module.named_buffers()] if not _is_meta(t)}
     module.to_empty(device=device)
+    tensors = sorted([*module.named_parameters(), *module.named_buffers()], key=lambda nt: -nt[1].numel())
     with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        for name, t in tensors:
             if name in kept:
                 whole = kept[name]
                 t.to_local().copy_(cast(DTensor, like(whole, t)).to_local()) if isinstance(t, DTensor) else t.copy_(

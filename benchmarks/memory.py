@@ -68,7 +68,7 @@ REPLICAS = {"hsdp": 2}
 #: Configs the cases above name, written into the work folder.
 CONFIGS = {"bucket5e7.json": {"zero_optimization": {"reduce_bucket_size": 50_000_000}}}
 IMAGE_MODELS = ("vgg16", "lenet")
-GPT_MODELS = ("gpt-200m", "gpt-200m-vocab", "gpt-20m", "gpt-recipe")
+GPT_MODELS = ("gpt-200m", "gpt-200m-vocab", "gpt-200m-untied", "gpt-20m", "gpt-recipe")
 #: The phases each rank reports its peak through, in order.
 PHASES = ("build", "setup", "step")
 
@@ -98,6 +98,16 @@ def gpt_200m_vocab() -> nn.Module:
     """203 M parameters with GPT-2's vocabulary (50,304 tokens, its embedding tied to the output: 197 MiB,
     a quarter of the model): 12 blocks of width 1024.  The largest single tensor, for set-up's peak."""
     return _gpt(12, 1024, vocab_size=50304)
+
+
+def gpt_200m_untied() -> nn.Module:
+    """204 M parameters: GPT-2's vocabulary with an output layer of its own (as Llama's), two tensors of
+    197 MiB, the first and the last made; 8 blocks of width 1024."""
+    model = _gpt(8, 1024, vocab_size=50304)
+    head = model.lm_head  # type: ignore[union-attr]
+    head.weight = nn.Parameter(torch.empty_like(head.weight))
+    nn.init.normal_(head.weight, std=0.02)
+    return model
 
 
 def gpt_20m() -> nn.Module:
@@ -132,6 +142,7 @@ def llama_7b() -> nn.Module:
 FACTORIES: dict[str, Callable[[], nn.Module]] = {
     "gpt-200m": gpt_200m,
     "gpt-200m-vocab": gpt_200m_vocab,
+    "gpt-200m-untied": gpt_200m_untied,
     "gpt-20m": gpt_20m,
     "gpt-recipe": gpt_recipe,
 }

@@ -77,6 +77,26 @@ RANDOM = frozenset(
     }
 )
 
+#: Factories that take only the layout (shape, dtype) of the tensor they are given, never its values:
+#: replaying one needs no value of that tensor (an output layer given ``torch.empty_like(old)`` and
+#: then drawn anew must not make the old, replaced weight be computed beside it).
+LAYOUT_ONLY = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty_strided",
+    }
+)
+
 #: In-place by name, but they change no value.
 NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
 
@@ -124,6 +144,8 @@ class Event:
     reads: frozenset[StorageWeakRef]
     #: A factory (``torch.empty``, ``torch.randn``): replayed on the build's device.
     factory: bool
+    #: A :data:`LAYOUT_ONLY` factory: its first argument stays on the meta device when replayed.
+    template: bool = False
     #: For a call that draws random numbers: the generator and its state before the draw.
     generator: torch.Generator | None = None
     state: torch.Tensor | None = None
@@ -157,6 +179,9 @@ class Recording(TorchFunctionMode):
         outs = _metas(out)
         in_keys = {_key(t) for t in ins}
         made = {_key(t) for t in outs} - in_keys
+        layout = name in LAYOUT_ONLY and bool(args) and _is_meta(args[0])
+        if layout:
+            in_keys.discard(_key(args[0]))
         if not made and target is None:
             return out  # a read (a size, a view): nothing to replay
         event = Event(
@@ -168,7 +193,8 @@ class Recording(TorchFunctionMode):
             out=tree_map(_alias, out),
             writes=frozenset(made | ({_key(target)} if target is not None else set())),
             reads=frozenset(in_keys),
-            factory=func in self._constructors or not ins,
+            factory=func in self._constructors or not ins or layout,
+            template=layout,
         )
         if name in RANDOM:
             # The eager draw, made now into a scratch tensor of the same layout and dropped: the
@@ -212,7 +238,8 @@ class Recording(TorchFunctionMode):
         def swap(x: Any) -> Any:
             return real(x) if _is_meta(x) else x
 
-        args = tree_map(swap, event.args)
+        args = tree_map(swap, event.args[1:] if event.template else event.args)
+        args = (event.args[0], *args) if event.template else args
         kwargs = tree_map(swap, event.kwargs)
         if event.factory:
             device = kwargs.get("device")

@@ -55,6 +55,36 @@ def test_tensors_computed_one_at_a_time_in_any_order_equal_the_whole_replay():
         assert slot is not None and torch.equal(values.whole(slot), eager.get_parameter(n)), n
 
 
+class NewHead(nn.Module):
+    """An output layer given a weight of its own after construction (``empty_like`` of the old one, drawn
+    anew), as scripts untie a head or re-initialise one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 64)
+        self.head.weight = nn.Parameter(torch.empty_like(self.head.weight))
+        nn.init.normal_(self.head.weight, std=0.02)
+        self.scale = nn.Parameter(self.body.weight.new_ones(8))
+
+
+def test_a_layout_only_factory_does_not_replay_the_tensor_it_copies_the_shape_of():
+    eager, _ = build(NewHead, meta=False)
+    meta, _ = build(NewHead, meta=True)
+    values = Values(meta, "test")
+    replayed: list[str] = []
+    for rec in {id(r): r for r in values.recordings.values()}.values():
+        run = rec._run
+        rec._run = lambda event, real, run=run: replayed.append(getattr(event.func, "__name__", "")) or run(event, real)  # type: ignore[method-assign]
+    for name in ("head.weight", "scale"):
+        slot = values.slot(name)
+        assert slot is not None and torch.equal(values.whole(slot), eager.get_parameter(name)), name
+    # The new head: its empty_like and its draw; the old head's kaiming_uniform_ is not run, nor body's.
+    assert replayed == ["empty_like", "normal_", "new_ones"], replayed
+    materialize(meta)
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), meta.state_dict().values(), strict=True))
+
+
 @pytest.mark.parametrize("backend_name", ["single", "dp"])
 @pytest.mark.parametrize("how", ["init_module", "plain"])
 def test_setup_on_one_process_backends(backend_name, how):
