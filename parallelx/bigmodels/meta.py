@@ -238,8 +238,8 @@ class Recording(TorchFunctionMode):
         def swap(x: Any) -> Any:
             return real(x) if _is_meta(x) else x
 
-        args = tree_map(swap, event.args[1:] if event.template else event.args)
-        args = (event.args[0], *args) if event.template else args
+        kept = 1 if event.template else 0  # a layout-only factory's template stays on meta
+        args = (*event.args[:kept], *tree_map(swap, event.args[kept:]))
         kwargs = tree_map(swap, event.kwargs)
         if event.factory:
             device = kwargs.get("device")

@@ -1,4 +1,4 @@
-"""Run by tests/unit/test_forensics.py: this rank's forensics thread is inside a call to a real
+"""Run by tests/system/test_failures.py: this rank's forensics thread is inside a call to a real
 TCP store (its server stopped with SIGSTOP) when the script ends; the server is let go while the
 interpreter finalises.  The process must exit 0, not abort ("terminate called", exit 134)."""
 
