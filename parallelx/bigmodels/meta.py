@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +41,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
 from parallelx import log
+from parallelx.bigmodels.resets import constructor_runs, reset_name
 from parallelx.errors import ParallelxError
 
 __all__ = ["Recording", "has_meta", "init_module", "init_weights", "materialize", "meta_tensors", "recording_of"]
@@ -154,10 +156,12 @@ class Event:
 class Recording(TorchFunctionMode):
     """How every meta tensor of a build was made (see the module's docstring); one per :func:`init_module` block."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, draw: bool = True) -> None:
         super().__init__()
         #: The device an eager build would have used (the default device outside the block).
         self.device = device
+        #: False for a dry run that only learns which tensors calls write: no draw, no generator moved.
+        self.draw = draw
         self.events: list[Event] = []
         #: Storage -> the event that made it.
         self.made: dict[StorageWeakRef, Event] = {}
@@ -196,7 +200,7 @@ class Recording(TorchFunctionMode):
             factory=func in self._constructors or not ins or layout,
             template=layout,
         )
-        if name in RANDOM:
+        if name in RANDOM and self.draw:
             # The eager draw, made now into a scratch tensor of the same layout and dropped: the
             # generator moves as an eager build moves it, and its state before is kept for the replay.
             generator = kwargs.get("generator") or self._default_generator()
@@ -459,9 +463,10 @@ def init_weights(model: nn.Module, init: Callable[[nn.Module], None]) -> nn.Modu
     """Give ``model`` its initialisation beyond its modules' ``reset_parameters``: ``init(model)``.
 
     For a model built under plain ``torch.device("meta")``, ``backend.setup`` computes each tensor
-    as each module's ``reset_parameters()`` (children first, as their constructors ran it) and then
-    ``init(model)`` make it, one tensor at a time, each rank keeping its share: the eager build's
-    values bit for bit when the model's ``__init__`` did exactly that from the same random state.
+    as the modules' ``reset_parameters()`` that the eager build ran (children first, as their
+    constructors ran them) and then ``init(model)`` make it, one tensor at a time, each rank
+    keeping its share: the eager build's values bit for bit when the model's ``__init__`` did
+    exactly that from the same random state.
     For a model that already has its weights, ``init(model)`` runs now.  Returns the model::
 
         with torch.device("meta"):
@@ -491,12 +496,120 @@ def _whole(t: torch.Tensor) -> bool:
     )
 
 
-def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording:
-    """A recording of how the plain-meta ``slots`` of ``model`` get their values: each module's
-    ``reset_parameters()`` (or torch's private ``_reset_parameters``) in post-order, then the
-    function given to :func:`init_weights`, run now on the meta tensors with each random draw made
-    into a scratch tensor (so the generator moves as the eager build moved it).  A tensor these do
-    not overwrite whole is refused, naming it."""
+@dataclasses.dataclass
+class _Reset:
+    """One module's reset, and what a dry run on the meta tensors saw it do."""
+
+    module: nn.Module
+    call: Callable[[], Any]
+    #: ``Class.reset_parameters`` (for messages).
+    name: str
+    #: Whether the module's constructor calls it (:func:`~parallelx.bigmodels.resets.constructor_runs`).
+    eager: bool | None
+    writes: frozenset[StorageWeakRef] = frozenset()
+    draws: bool = False
+
+
+def _dry_writes(run: Callable[[], Any], keys: set[StorageWeakRef]) -> tuple[frozenset[StorageWeakRef], bool]:
+    """Which of ``keys`` ``run()`` writes, and whether it draws random numbers: run on the meta
+    tensors with nothing drawn (the generator stays where it is)."""
+    dry = Recording(torch.get_default_device(), draw=False)
+    with _recording(dry), torch.no_grad():
+        run()
+    writes = frozenset(k for e in dry.events for k in e.writes if k in keys)
+    return writes, any(getattr(e.func, "__name__", "") in RANDOM for e in dry.events)
+
+
+def _listed(names: Sequence[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _plan_resets(model: nn.Module, roots: dict[StorageWeakRef, Slot], who: str) -> tuple[list[_Reset], list[str]]:
+    """The resets to replay, in post-order: those the eager build ran, as its constructors ran them.
+
+    Every layer of ``torch.nn`` calls its reset in ``__init__``, so after its children's (post-order
+    is construction order); a composite reset that re-runs its children's (PyTorch's FSDP2 example)
+    is called by no constructor, and replayed on top of them it would re-draw their tensors.  Such a
+    reset is left out when the resets the eager build ran (or the function given to
+    :func:`init_weights`) set every tensor it sets; where something only it sets, it is replayed for
+    that, and where the source cannot tell, it is replayed as before; both are warned of, naming the
+    tensors that then differ from the eager build.  Returns the resets and the names of those left out."""
+    resets = []
+    for module in _post_order(model, set()):
+        name = reset_name(module)
+        if name is not None:
+            cls = type(module)
+            resets.append(_Reset(module, getattr(module, name), f"{cls.__name__}.{name}", constructor_runs(cls, name)))
+    if all(r.eager for r in resets):
+        return resets, []  # every constructor ran its own (torch.nn's layers): no dry run needed
+    keys = set(roots)
+    for r in resets:
+        r.writes, r.draws = _dry_writes(r.call, keys)
+    covered = frozenset().union(*(r.writes for r in resets if r.eager is not False))
+    init = model.__dict__.get(INIT)
+    by_init: frozenset[StorageWeakRef] | None = None
+    chosen: list[_Reset] = []
+    left_out: list[str] = []
+    for r in resets:
+        if r.eager is False:
+            alone = r.writes - covered
+            if alone and init is not None:
+                if by_init is None:
+                    by_init = _dry_writes(lambda: init(model), keys)[0]
+                alone -= by_init
+            if not alone:
+                left_out.append(r.name)  # the eager build never ran it, and what it sets is set otherwise
+                continue
+            _warn_replayed(r, resets, alone, roots, who)
+            covered |= r.writes
+        elif r.eager is None:
+            _warn_replayed(r, resets, frozenset(), roots, who)
+        chosen.append(r)
+    return chosen, left_out
+
+
+def _warn_replayed(
+    r: _Reset, resets: Sequence[_Reset], alone: frozenset[StorageWeakRef], roots: dict[StorageWeakRef, Slot], who: str
+) -> None:
+    """Warn of a reset replayed although its constructor does not call it (``alone``: the tensors only
+    it sets), or although its constructor could not be read: name the tensors that then differ."""
+    inner = {id(m) for m in r.module.modules()} - {id(r.module)}
+    theirs = frozenset().union(*(o.writes for o in resets if id(o.module) in inner and o.eager is not False))
+    again = [roots[k].names[0] for k in roots if k in r.writes & theirs]
+    cls = type(r.module).__name__
+    fix = (
+        "build the model under `with parallelx.init_module():` for the eager build's values (it records what "
+        "__init__ does), or build it eagerly"
+    )
+    if r.eager is None:
+        if again:
+            log.warn(
+                f"{who}: {r.name}() sets tensors that its children's own resets set ({_listed(again)}), and the "
+                f"source of {cls}.__init__ cannot be read to tell whether the eager build ran it: it is replayed "
+                f"after its children's, as by an __init__ that ends with it; if the eager build never ran it, "
+                f"those tensors differ from the eager build's; {fix}"
+            )
+        return
+    if not again and not r.draws:
+        return  # a deterministic reset of tensors nothing else sets (an RMSNorm's ones_): as __init__ made them
+    own = [roots[k].names[0] for k in roots if k in alone]
+    log.warn(
+        f"{who}: {cls}.__init__ does not call {r.name}() (the eager build never ran it), but nothing else sets "
+        f"{_listed(own)}: it is replayed for them, so they take its values, not those __init__ made (lost on "
+        "the meta device)"
+        + (f"; it also re-initialises {_listed(again)}, which its children's resets set" if again else "")
+        + ("; its random draws move the generator where the eager build's did not" if r.draws else "")
+        + f": these differ from the eager build; {fix}"
+    )
+
+
+def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> tuple[Recording, list[str]]:
+    """A recording of how the plain-meta ``slots`` of ``model`` get their values: the modules'
+    ``reset_parameters()`` (or torch's private ``_reset_parameters``) that the eager build ran, in
+    post-order (:func:`_plan_resets`), then the function given to :func:`init_weights`, run now on
+    the meta tensors with each random draw made into a scratch tensor (so the generator moves as the
+    eager build moved it).  A tensor these do not overwrite whole is refused, naming it.  Returns the
+    recording and the resets left out."""
     recording = Recording(torch.get_default_device())
     roots: dict[StorageWeakRef, Slot] = {}
     for slot in slots:
@@ -520,11 +633,10 @@ def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording
         roots[key] = slot
     done = len(recording.events)
     init = model.__dict__.get(INIT)
+    resets, left_out = _plan_resets(model, roots, who)
     with _recording(recording), torch.no_grad():
-        for module in _post_order(model, set()):
-            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-            if callable(reset):
-                reset()
+        for r in resets:
+            r.call()
         if init is not None:
             init(model)
     first_write: dict[StorageWeakRef, Event] = {}
@@ -550,7 +662,7 @@ def record_reset(model: nn.Module, slots: Sequence[Slot], who: str) -> Recording
     for slot in roots.values():
         for module, _ in slot.owners:
             module.__dict__[ATTRIBUTE] = recording
-    return recording
+    return recording, left_out
 
 
 def prepare(model: nn.Module, who: str) -> None:
@@ -564,13 +676,20 @@ def prepare(model: nn.Module, who: str) -> None:
     plain = [s for s in meta_tensors(model) if not (source is not None and source.holds(s))]
     if not plain:
         return
-    record_reset(model, plain, who)
+    _, left_out = record_reset(model, plain, who)
     named = ", ".join(s.names[0] for s in plain[:3]) + (" ..." if len(plain) > 3 else "")
+    counts = Counter(left_out)
     log.info(
         f"{who}: the model was built under torch.device('meta'): its {len(plain)} tensors ({named}) get their "
         "values from their modules' reset_parameters()"
         + (" and the function given to parallelx.init_weights" if INIT in model.__dict__ else "")
         + " (parallelx.init_module() records what __init__ does instead)"
+        + (
+            "; not replayed, as no constructor calls them (the eager build ran only the resets they repeat): "
+            + ", ".join(f"{n}{f' x{c}' if c > 1 else ''}" for n, c in counts.items())
+            if counts
+            else ""
+        )
     )
 
 

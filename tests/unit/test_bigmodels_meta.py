@@ -198,3 +198,201 @@ def test_init_weights_on_an_eager_model_runs_at_once():
     model = nn.Linear(3, 3)
     parallelx.init_weights(model, lambda m: nn.init.zeros_(m.weight))
     assert torch.equal(model.weight, torch.zeros(3, 3))
+
+
+# PyTorch's FSDP2 example (pytorch/examples, distributed/FSDP2/model.py) in shape: torch.nn's layers, each
+# reset by its own constructor, under modules whose reset_parameters re-run their children's and that no
+# __init__ calls (the example calls the root's only after to_empty).  The eager build is the layers' resets
+# alone; a replay of every reset in post-order re-draws each random tensor once per composite above it.
+class ToyAttention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def reset_parameters(self) -> None:
+        for layer in (self.q, self.k, self.v, self.o):
+            layer.reset_parameters()
+
+
+class ToyMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def reset_parameters(self) -> None:
+        self.up.reset_parameters()
+        self.down.reset_parameters()
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(width), ToyAttention(width)
+        self.norm2, self.mlp = nn.LayerNorm(width), ToyMLP(width)
+
+    def reset_parameters(self) -> None:
+        for child in (self.norm1, self.attn, self.norm2, self.mlp):
+            child.reset_parameters()
+
+
+class ToyBare(nn.Module):
+    """The example's body with no reset of its own: 2 embeddings, 3 blocks, a norm, an output layer."""
+
+    def __init__(self, vocab: int = 32, length: int = 8, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        self.blocks = nn.ModuleList(ToyBlock(width) for _ in range(depth))
+        self.norm, self.out = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+
+class Toy(ToyBare):
+    """The example's root: its reset re-runs the resets of the layers it holds directly."""
+
+    def reset_parameters(self) -> None:
+        for layer in (self.tok, self.pos, self.norm, self.out):
+            layer.reset_parameters()
+
+
+class ToySome(ToyBare):
+    """A root reset with its own init for some tensors (the embeddings and the output), never called."""
+
+    def reset_parameters(self) -> None:
+        for w in (self.tok.weight, self.pos.weight, self.out.weight):
+            nn.init.normal_(w, std=0.02)
+
+
+class ToyCalled(ToyBare):
+    """A root whose __init__ ends with its reset, which re-initialises every tensor its own way (through the
+    composites' resets, which their constructors do not call): the eager build ran it after the layers'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for block in self.blocks:
+            block.reset_parameters()
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+
+
+def differing(make) -> tuple[list[str], int, bool]:
+    """The tensors of a plain meta build that differ from the eager build's after materialisation, how many
+    there are, and whether the random numbers drawn afterwards are the eager ones."""
+    torch.manual_seed(0)
+    eager = make()
+    after_eager = torch.rand(3)
+    meta = plain_build(make)
+    materialize(meta)
+    se, sm = eager.state_dict(), meta.state_dict()
+    return [k for k in se if not torch.equal(se[k], sm[k])], len(se), torch.equal(after_eager, torch.rand(3))
+
+
+@pytest.mark.parametrize("make", [Toy, ToySome, ToyCalled, ToyBare], ids=lambda c: c.__name__)
+def test_a_composite_reset_is_replayed_only_where_the_eager_build_ran_it(make, capsys):
+    # Every reset replayed in post-order: 27 of the 41 tensors differed (every random one; ToyBare's 25, its
+    # embeddings come before the blocks), and the random numbers after set-up too.
+    assert differing(make) == ([], 41, True)
+    assert "warning" not in capsys.readouterr().err  # matched: nothing to warn of
+
+
+class ToyNorm(nn.Module):
+    """An RMSNorm as torchtitan writes it: ones in __init__, a reset that no constructor calls sets them again."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class ToyNormed(ToyBare):
+    def __init__(self) -> None:
+        super().__init__()
+        self.final = ToyNorm()
+
+
+def test_a_reset_no_constructor_calls_is_still_replayed_for_tensors_nothing_else_sets(capsys):
+    assert differing(ToyNormed) == ([], 42, True)
+    assert "warning" not in capsys.readouterr().err
+
+
+class ToyGain(ToyBare):
+    """A root with a tensor of its own drawn in __init__, which only its reset (never called) sets again,
+    along with the output layer's: nothing but that reset can give ``gain`` a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(16))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gain)
+        self.out.reset_parameters()
+
+
+def test_a_composite_reset_replayed_for_its_own_tensors_names_what_then_differs(capsys):
+    diff, _, _ = differing(ToyGain)
+    err = capsys.readouterr().err
+    assert "out.weight" in diff  # what the warning says
+    assert "ToyGain.__init__ does not call ToyGain.reset_parameters()" in err
+    assert "gain" in err and "re-initialises out.weight" in err and "parallelx.init_module()" in err
+
+
+def unreadable_root() -> type[nn.Module]:
+    """A root whose source cannot be read (made by exec): its __init__ ends with its reset, over the blocks'."""
+    code = (
+        "class ToyHidden(ToyBare):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.reset_parameters()\n"
+        "    def reset_parameters(self):\n"
+        "        for block in self.blocks:\n"
+        "            block.reset_parameters()\n"
+    )
+    namespace: dict[str, object] = {"ToyBare": ToyBare}
+    exec(compile(code, "<generated>", "exec"), namespace)
+    made = namespace["ToyHidden"]
+    assert isinstance(made, type)
+    return made
+
+
+def test_a_composite_reset_whose_constructor_cannot_be_read_is_replayed_and_named(capsys):
+    assert differing(unreadable_root()) == ([], 41, True)  # replayed after the layers', as its __init__ does
+    err = capsys.readouterr().err
+    assert "ToyHidden.reset_parameters() sets tensors that its children's own resets set" in err
+    assert "blocks.0.attn.q.weight" in err and "cannot be read" in err and "parallelx.init_module()" in err
+
+
+def test_which_constructors_run_their_reset_is_read_from_their_source():
+    from parallelx.bigmodels.resets import constructor_runs
+
+    class Indirect(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._init()
+
+        def _init(self) -> None:
+            self.reset_parameters()
+
+        def reset_parameters(self) -> None:
+            pass
+
+    class ByBase(ToyCalled):
+        def __init__(self) -> None:
+            ToyCalled.__init__(self)
+
+    class Applied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.apply(lambda m: m.reset_parameters())
+
+        def reset_parameters(self) -> None:
+            pass
+
+    reset = "reset_parameters"
+    assert constructor_runs(nn.Linear, reset) and constructor_runs(nn.MultiheadAttention, "_reset_parameters")
+    assert constructor_runs(Indirect, reset) and constructor_runs(ByBase, reset) and constructor_runs(ToyCalled, reset)
+    assert constructor_runs(Toy, reset) is False and constructor_runs(ToyBlock, reset) is False
+    assert constructor_runs(Applied, reset) is None and constructor_runs(unreadable_root(), reset) is None
