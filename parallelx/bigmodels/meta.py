@@ -166,6 +166,8 @@ class Recording(TorchFunctionMode):
         #: Storage -> the event that made it.
         self.made: dict[StorageWeakRef, Event] = {}
         self._constructors = _device_constructors()
+        #: The bytes every draw of the block is made into (:meth:`_scratch`), while the block lasts.
+        self._spare: torch.Tensor | None = None
 
     # ------------------------------------------------------------ recording
     def __torch_function__(
@@ -212,15 +214,26 @@ class Recording(TorchFunctionMode):
             self.made.setdefault(k, event)
         return out
 
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        self._spare = None  # the draws' buffer lives as long as the block
+        super().__exit__(exc_type, exc_value, traceback)
+
     def _default_generator(self) -> torch.Generator:
         if self.device.type == "cuda":
             return torch.cuda.default_generators[self.device.index or torch.cuda.current_device()]
         return torch.default_generator
 
     def _scratch(self, t: torch.Tensor) -> torch.Tensor:
-        return self._like(
-            t, torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=self.device)
-        )
+        # One buffer for all the block's draws, grown to the largest, not a tensor per draw: each of those,
+        # freed at once, left a hole in glibc's heap that the small allocations made between two draws
+        # split, so the next draw took fresh memory; a 771 MiB GPT built under init_module held 1.27 GiB
+        # of RSS after its build (docs/big-models.md, "Measured").  The draw itself is the same: same
+        # shape, strides and dtype, so the generator moves as it does eagerly.
+        nbytes = t.untyped_storage().nbytes()
+        if self._spare is None or self._spare.numel() < nbytes:
+            self._spare = None  # freed before the larger one is made
+            self._spare = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._like(t, self._spare[:nbytes].view(t.dtype))
 
     def _like(self, t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """A real tensor laid out in ``base``'s storage as ``t`` is in its own (a view of ``base``)."""
