@@ -13,7 +13,12 @@ wrapping, the optimizer after wrapping, each sampler made, the shutdown):
 - every loss passed to ``backend.backward`` (or to ``loss.backward()``);
 - at every optimizer step: the averaged gradients (their global norm, each
   tensor's norm and digest; the whole tensors at the first step), the
-  optimizer's hyperparameters, and a digest of every weight afterwards;
+  optimizer's hyperparameters, and a digest of every weight afterwards.  The
+  gradients are read where the backend's reduction is over, whatever the
+  loop's form: at ``backend.step``'s boundary (before clipping), else in the
+  optimizer's step pre-hook, which every backend runs once its gradients are
+  the averaged ones (never after a backward: DeepSpeed and Horovod average in
+  ``optimizer.step()``);
 - the weights before wrapping (the initial weights, before any broadcast),
   the loop options, the samplers made, the BatchNorm layers;
 
@@ -246,9 +251,12 @@ class Probe(Observer):
         self.optimizers.append(optimizer)
         depth = [0]
 
-        # A wrapper optimizer's step calls its base class's step and torch runs the hooks
-        # around both (Horovod's averages between the two): the innermost pre-hook sees the
-        # averaged gradients, the outermost post-hook ends the step.
+        # Every strategy's optimizer runs torch's step pre-hooks once its gradients are the
+        # averaged ones the update uses (DeepSpeed's after its boundary's reduction, which runs
+        # in step): the one place, whatever the loop's form, where they are final.  A wrapper
+        # optimizer's step calls its base class's step and torch runs the hooks around both
+        # (Horovod averages between the two): each pre-hook reads again, so the innermost one's
+        # reading is kept; the outermost post-hook ends the step.
         def pre(opt: Any, args: Any, kwargs: Any) -> None:
             depth[0] += 1
             if index == 0 and not self.captured_at_boundary:
@@ -345,14 +353,6 @@ class Probe(Observer):
         except (RuntimeError, ValueError):
             return
         self.record["losses"].append({"step": self.steps_done + 1, "rank": self._virtual_rank(), "loss": value})
-
-    def after_backward(self) -> None:
-        """A backward outside the loop's windows (the protocol form): on most
-        backends the gradients are averaged now, before ``optimizer.step()``."""
-        # (In the reference the held-back step averages first: its pre-hook captures.)
-        managed = self.loop_window()[0]
-        if self.world_of is None and not managed and self.optimizers and not self.done:
-            self._capture(self.optimizers[0])
 
     # ---------------------------------------------------------------- the step
     def at_boundary(self, optimizer: torch.optim.Optimizer) -> None:
@@ -474,7 +474,6 @@ class ProbeWatcher(LoopWatcher):
 
     def after_backward(self) -> None:
         self.probe.inside_backward = False
-        self.probe.after_backward()
 
     def stepping(self, inside: bool) -> None:
         self.probe.in_step = inside
@@ -502,8 +501,6 @@ def _patch_tensor_backward(probe: Probe) -> None:
         finally:
             for p in live:
                 p.inside_backward = False
-                if scalar:
-                    p.after_backward()
 
     backward.parallelx_check = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward  # type: ignore[method-assign]

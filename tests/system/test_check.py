@@ -2,7 +2,8 @@
 
 Clean clients must check clean: the README's example on every default
 backend (through the command line, with its JSON report), pytorch/examples'
-MNIST (the protocol form, dropout), pytorch/examples' ImageNet (augmentation
+MNIST (the protocol form, dropout), a script that steps in each loop form in
+turn on every backend, pytorch/examples' ImageNet (augmentation
 in DataLoader workers: level 1), HuggingFace's run_clm (GPT-2, AdamW,
 accumulation: its attention key bias is rounding noise), a nanoGPT port
 (random batches per rank: level 1), the CIFAR-10 recipe through its command
@@ -26,7 +27,9 @@ from parallelx.check.report import COULD_NOT_RUN, DIFFERS, SAME, Report, from_di
 from parallelx.launching import runner
 from parallelx.testing import check_script
 
-pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
+#: Every check here but one representative runs in the second tier (each launches 3 to 8 runs).
+scenario = pytest.mark.scenario
 
 SCRIPTS = "tests/support/check_scripts"
 #: The command line's own run: the backends that no client below covers.
@@ -44,6 +47,7 @@ def summary(report: Report) -> str:
 
 
 # ---------------------------------------------------------------- clean clients
+@scenario
 def test_the_example_checks_clean_through_the_command_line(tmp_path):
     """The command line, its report also as JSON.  (DeepSpeed is checked below, at
     ZeRO 0 and 3, with the clients; docs/check.md shows the example on every backend.)"""
@@ -89,14 +93,57 @@ def mnist_dir(tmp_path_factory) -> Path:
     return root
 
 
+@scenario
 def test_mnist_port_checks_clean_in_the_protocol_form(mnist_dir):
     """backend.backward then a plain optimizer.step(), dropout, Adadelta: the reference
-    steps once per 2 calls and replays each rank's dropout masks; ZeRO-3 steps by its engine."""
-    report = check("tests/support/clients/mnist_port.py", "--data-dir", str(mnist_dir), backends=["deepspeed"])
+    steps once per 2 calls and replays each rank's dropout masks; ZeRO-3 steps by its engine,
+    ZeRO 0 averages inside optimizer.step() (the gradients are read after that)."""
+    args = ("--data-dir", str(mnist_dir))
+    report = check("tests/support/clients/mnist_port.py", *args, backends=["deepspeed"], stages=(0, 3))
     assert report.exit_code == SAME and report.level == 2, summary(report)
-    row = report.row("deepspeed-zero3")
-    assert row.status == "same" and row.steps == 3 and row.ranks_agree
-    assert row.grads_vs_reference.worst <= row.grads_vs_reference.tolerance
+    for label in ("deepspeed-zero0", "deepspeed-zero3"):
+        row = report.row(label)
+        assert row.status == "same" and row.steps == 3 and row.ranks_agree, summary(report)
+        assert row.grads_vs_reference.worst <= row.grads_vs_reference.tolerance, summary(report)
+
+
+# ---------------------------------------------------------------- the loop forms
+FORMS = f"{SCRIPTS}/clean_loop_forms.py"
+
+
+def assert_clean_in_every_form(report: Report, labels: list[str]) -> None:
+    """Each run equals one process, its gradients read after its own averaging at every step
+    (step 1's whole, the norm at each): no gradient read before it was final."""
+    assert report.exit_code == SAME and report.level == 2, summary(report)
+    assert [r.label for r in report.rows] == labels
+    for row in report.rows:
+        assert row.status == "same" and row.steps == 3 and row.ranks_agree, summary(report)
+        assert row.first_step_out is None, summary(report)
+        assert row.grads_vs_reference.worst <= row.grads_vs_reference.tolerance, summary(report)
+        assert row.weights_vs_reference.worst <= row.weights_vs_reference.tolerance, summary(report)
+    assert not any("before they were final" in n for n in report.notes), summary(report)
+
+
+def test_every_loop_form_checks_clean_under_zero_0():
+    """ZeRO 0 averages the gradients inside optimizer.step(): read after the backward, each
+    rank's own were compared with one process's average (0.7 relative) and a correct script
+    was told its arithmetic depends on how the batch is split.  Step 1 in the protocol form
+    (loss.backward(), which DeepSpeed's ZeRO-0 engine refused on its own), step 2 the plain loop
+    (backend.backward, optimizer.step()), step 3 backend.step."""
+    report = check(FORMS, backends=["deepspeed"], stages=(0,))
+    assert_clean_in_every_form(report, ["deepspeed-zero0"])
+
+
+@scenario
+def test_every_loop_form_checks_clean_on_every_backend():
+    """Step 1 in the protocol form (loss.backward(), a plain optimizer.step()), step 2 the plain
+    loop (backend.backward, optimizer.step()), step 3 backend.step: each backend averages
+    somewhere else (ddp and fsdp in the backward, Horovod and DeepSpeed in the step), and the
+    check reads every one after its own averaging.  ZeRO 0: the test above (in make test)."""
+    report = check(FORMS, backends=["ddp", "horovod", "deepspeed", "fsdp"], stages=(1, 2, 3))
+    assert_clean_in_every_form(
+        report, ["ddp", "horovod", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3", "fsdp"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +167,7 @@ def imagenet_dir(tmp_path_factory) -> Path:
     return root
 
 
+@scenario
 def test_imagenet_port_checks_clean_with_augmentation_in_loader_workers(imagenet_dir, tmp_path):
     """pytorch/examples' ImageNet script (ResNet-18 with per-rank BatchNorm, SGD with
     momentum and weight decay, StepLR): RandomResizedCrop and the flip run in 2
@@ -141,6 +189,7 @@ def test_imagenet_port_checks_clean_with_augmentation_in_loader_workers(imagenet
     assert any(f.cause == "batchnorm-per-rank" and not f.fails for f in report.findings), summary(report)
 
 
+@scenario
 def test_hf_gpt2_port_checks_clean_and_names_the_key_bias(tmp_path):
     pytest.importorskip("transformers")
     report = check("tests/support/clients/hf_clm_port.py", "--output_dir", str(tmp_path), backends=["deepspeed"])
@@ -152,6 +201,7 @@ def test_hf_gpt2_port_checks_clean_and_names_the_key_bias(tmp_path):
     assert noisy, report.notes
 
 
+@scenario
 def test_nanogpt_port_checks_clean_at_level_1():
     report = check(f"{SCRIPTS}/nanogpt_port.py", backends=["ddp", "fsdp"])
     assert report.exit_code == SAME, summary(report)
@@ -159,6 +209,7 @@ def test_nanogpt_port_checks_clean_at_level_1():
     assert report.row("fsdp").weights_vs_baseline.worst <= report.row("fsdp").weights_vs_baseline.tolerance
 
 
+@scenario
 def test_cifar10_recipe_checks_clean_through_its_command_line(tmp_path):
     data = tmp_path / "cifar"
     made = runner.run(
@@ -185,6 +236,7 @@ BROKEN = {
 }
 
 
+@scenario
 @pytest.mark.parametrize("script", list(BROKEN))
 def test_a_broken_script_exits_1_with_its_diagnosis(script):
     cause, fix = BROKEN[script]
@@ -194,6 +246,7 @@ def test_a_broken_script_exits_1_with_its_diagnosis(script):
     assert fix in report.differences()[0].fix
 
 
+@scenario
 def test_a_deepspeed_config_that_clips_is_a_backend_option_that_changes_the_math(tmp_path):
     report = check(
         "recipes/example.py",
@@ -212,6 +265,7 @@ def test_a_deepspeed_config_that_clips_is_a_backend_option_that_changes_the_math
     assert row.status == "differs" and row.grads_vs_reference.worst == 0  # the gradients agree, the update not
 
 
+@scenario
 def test_a_script_that_cannot_run_exits_2(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(

@@ -507,3 +507,45 @@ def test_a_script_whose_steps_the_check_never_sees_could_not_run():
 
     report = check(run("ddp", edit=no_steps), reference=run("reference", real=False, edit=no_steps))
     assert report.exit_code == COULD_NOT_RUN and "backend.wrap_optimizer" in report.verdict
+
+
+# ---------------------------------------------------------------- gradients read too early
+def early_read(rank: int, rec: dict[str, Any]) -> None:
+    """Each rank's own gradients read before the backend averaged them (their norm ~0.7 off)."""
+    for e in rec["steps"]:
+        e["grad_norm"] *= 1.7
+
+
+def test_gradients_read_before_their_averaging_never_accuse_a_script_whose_weights_are_exact():
+    zero0 = run("deepspeed-zero0", grads=nudged(GRADS, 0.5, seed=4), edit=early_read)
+    report = check(run("ddp"), zero0)
+    assert report.exit_code == SAME, report.render()
+    assert report.row("deepspeed-zero0").status == "same" and report.row("deepspeed-zero0").first_step_out is None
+    misread = [n for n in report.notes if n.startswith("deepspeed-zero0:") and "before they were final" in n]
+    assert misread and "not of the script" in misread[0], report.notes
+
+
+def test_gradients_that_differ_with_weights_that_differ_at_one_step_still_fail():
+    def step_2_off(rank: int, rec: dict[str, Any]) -> None:
+        early_read(rank, rec)
+        rec["steps"][1]["weights"]["0.weight"] = "other"
+
+    zero0 = run("deepspeed-zero0", grads=nudged(GRADS, 0.5, seed=4), edit=step_2_off)
+    report = check(run("ddp"), zero0)
+    assert report.exit_code == DIFFERS, report.render()
+    assert report.row("deepspeed-zero0").first_step_out == 1
+    assert not any("before they were final" in n for n in report.notes)
+
+
+def test_a_run_that_raised_before_its_first_step_could_not_run_with_its_error():
+    def raised(rank: int, rec: dict[str, Any]) -> None:
+        rec["steps"], rec["steps_done"] = [], 0
+        rec["stopped"] = "the script ended after 0 optimizer steps"
+
+    crashed = run("deepspeed-zero0", grads=None, edit=raised)
+    crashed.grads = None
+    crashed.launch_error = "exited with status 1; RuntimeError: Direct calls to tensor.backward() are not supported"
+    report = check(crashed)
+    assert report.exit_code == COULD_NOT_RUN, report.render()
+    assert "RuntimeError: Direct calls" in report.verdict and "wrap_optimizer" not in report.verdict
+    assert causes(report) == []
