@@ -36,6 +36,11 @@ FIX_SHAPES = (
     "every rank must pass a tensor of the same shape and dtype (gather rows of different lengths with "
     "backend.all_gather, which pads them, or agree on the size first)"
 )
+#: Added to :data:`FIX_BRANCH` when the other ranks are in the engine's own traffic.
+IN_THE_LOOP = (
+    "; inside a training loop such a call meets the other ranks' backward, optimizer step or sharded forward, "
+    "which are collectives too (the engine reduces the gradients or gathers the parameters in them)"
+)
 FIX_RAISED = "the exception on that rank is the cause: its traceback is in that rank's output above"
 FIX_SLOW = (
     "that rank is busy outside the calls parallelx records (sleeping, loading data, evaluating or writing on its "
@@ -43,6 +48,10 @@ FIX_SLOW = (
     "ranks call): do such work on every rank, or raise --timeout above the slowest rank's extra time"
 )
 FIX_GONE = "its process ended or froze without a word: look for it in the launcher's output (killed, out of memory)"
+
+
+#: The calls in which an engine's own collectives run (``parallelx.parts.loop``, a sharded forward).
+ENGINE_KINDS = frozenset({"backward", "the optimizer step", "forward"})
 
 
 def _call(c: Mapping[str, Any] | None) -> str:
@@ -175,8 +184,12 @@ def verdict(states: Mapping[int, State | None]) -> str:
     descr = [f"{_ranks(rs)} {_is(rs)} in {_in(answered[rs[0]])}" for rs in groups.values()]
     odd = _ran_other_code(groups, answered)
     why = f"{_ranks(odd)} ran code the others did not" if odd else "the ranks ran different code before this point"
-    kinds = {answered[r]["call"]["kind"] for r in waiting}
-    outers = {(answered[r].get("outer") or {}).get("kind") for r in waiting}
+    # The fix is the odd ranks' (a rank-0-only collective meeting the others' forward is a branch, not
+    # an evaluation); every rank's where no rank stands out.
+    culprits = odd or waiting
+    kinds = {answered[r]["call"]["kind"] for r in culprits}
+    outers = {(answered[r].get("outer") or {}).get("kind") for r in culprits}
+    engine = {answered[r]["call"]["kind"] for r in waiting if r not in culprits} & ENGINE_KINDS
     if "engine build" in kinds:
         fix = FIX_BUILD
     elif "forward" in kinds:
@@ -184,7 +197,7 @@ def verdict(states: Mapping[int, State | None]) -> str:
     elif "save" in kinds or "save" in outers:
         fix = f"a save inside `if backend.is_main:`: {FIX_SAVE}"
     else:
-        fix = FIX_BRANCH
+        fix = FIX_BRANCH + (IN_THE_LOOP if engine else "")
     first, *others = descr
     if others:  # "A while B", "A while B and C", "A while B, C and D"
         first += " while " + " and ".join(filter(None, [", ".join(others[:-1]), others[-1]]))

@@ -87,6 +87,17 @@ class Collectives(abc.ABC):
             out = out / self.world_size
         return out.to(tensor.device)
 
+    def agree_(self, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The sum over the ranks of ``table`` (int64, on the CPU) for :meth:`agree_shapes`, back on the CPU.
+
+        Here over the collectives' own wire (on ``device``).  A library whose engines share that wire with
+        these collectives (``torch.distributed``: DDP's gradient buckets, FSDP's and ZeRO's reductions) sums
+        it over a channel of its own instead: there one rank's agreement cannot pair with an engine's
+        reduction on another rank (Gloo aborts the process on the size mismatch, "Received data size
+        doesn't match expected size", before any verdict; a reduction of the same size would mix the two
+        silently), it waits for the others, and the verdict names both calls."""
+        return self.reduce_(table.to(device), "sum").cpu()
+
     def agree_shapes(self, kind: str, tensor: torch.Tensor) -> None:
         """Raise on every rank when the ranks pass tensors of different shapes or dtypes to one
         collective: Gloo ends the process from a thread of its own on that (``Received data size
@@ -95,9 +106,9 @@ class Collectives(abc.ABC):
         if self.world_size <= 1 or not AGREE_SHAPES:
             return
         mine = [_KINDS.index(kind) + 1, *_shape_row(tensor)]
-        table = torch.zeros((self.world_size, len(mine)), dtype=torch.int64, device=self.comm_device(tensor))
+        table = torch.zeros((self.world_size, len(mine)), dtype=torch.int64)
         table[self.rank] = torch.tensor(mine, dtype=torch.int64)
-        rows = [tuple(int(n) for n in row) for row in self.reduce_(table, "sum").cpu()]
+        rows = [tuple(int(n) for n in row) for row in self.agree_(table, self.comm_device(tensor))]
         if all(row == rows[0] for row in rows):
             return
         if any(row[0] != rows[0][0] for row in rows):

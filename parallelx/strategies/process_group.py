@@ -21,6 +21,7 @@ from parallelx.launching import network
 from parallelx.launching.environments import ClusterEnvironment
 from parallelx.launching.launchers import free_port
 from parallelx.log import warn
+from parallelx.parts import lockstep
 from parallelx.parts.collectives import Collectives, Watch, no_watch
 from parallelx.strategy import Joined, Strategy
 
@@ -113,9 +114,19 @@ class ProcessGroupCollectives(Collectives):
     """Collectives over ``torch.distributed``'s default process group (Gloo on
     the CPU, NCCL on GPUs)."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, watch: Watch = no_watch) -> None:
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, watch: Watch = no_watch, timeout_s: float = 1800.0
+    ) -> None:
         super().__init__(rank, world_size, watch)
         self.device = device
+        # The agreements before a collective travel apart from the engines' collectives (see agree_).
+        self.side = lockstep.side_group(timeout_s)
+
+    def agree_(self, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.side is None:
+            return super().agree_(table, device)
+        wait(dist.all_reduce(table, group=self.side, async_op=True))
+        return table
 
     def comm_device(self, tensor: torch.Tensor) -> torch.device:
         # NCCL only reduces CUDA tensors; Gloo reduces CPU ones.
@@ -254,7 +265,7 @@ class ProcessGroupStrategy(Strategy):
             local_rank=world.local_rank,
             local_world_size=world.local_world_size if world.world_size == world_size else 1,
             device=device,
-            comm=ProcessGroupCollectives(rank, world_size, device, self.run.watch),
+            comm=ProcessGroupCollectives(rank, world_size, device, self.run.watch, self.run.timeout_s),
         )
 
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Run under a launcher (2 processes): the ranks part ways in one of six ways a user writes by
+"""Run under a launcher (2 processes): the ranks part ways in one of seven ways a user writes by
 mistake (``--part``), after a few training steps; every rank must print the same verdict naming
 the rank, the call and this script's line (``tests/launcher/test_hangs.py``).  The line of each
 divergence carries a ``# PART:<name>`` mark, which the test looks up."""
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import parallelx
 
-PARTS = ("eval", "save", "branch", "shapes", "raise", "sleep")
+PARTS = ("eval", "save", "branch", "shapes", "raise", "sleep", "bucket")
 
 
 def main() -> None:
@@ -66,6 +66,11 @@ def main() -> None:
             if rank == 1:
                 time.sleep(600)  # PART:sleep
             backend.all_reduce(torch.ones(3))
+        elif part == "bucket":  # inside the loop: rank 0's all_reduce meets the engine's gradient reduction
+            for _ in range(2):
+                if rank == 0:
+                    backend.all_reduce(torch.ones(3))  # PART:bucket
+                train_step()
         train_step()
         backend.print("finished")
 

@@ -102,6 +102,25 @@ def test_verdict_a_collective_in_a_branch_and_a_save_inside_is_main() -> None:
     assert "rank 0 is in all_gather #9 inside save #8 (train.py:70)" in text and verdict.FIX_SAVE in text
 
 
+def test_verdict_a_collective_on_one_rank_meets_the_engines_reduction_on_the_others() -> None:
+    """Inside the training loop rank 0's all_reduce meets rank 1's backward (DDP's gradient buckets) or,
+    under fsdp, its forward (the lockstep before it): the fix is the branch's, not an evaluation's."""
+    for kind, detail in (("backward", "the gradient all-reduce"), ("forward", "training mode")):
+        states = {
+            0: waiting(
+                0, "all_reduce", 7, "train.py:72", sites={"all_reduce@train.py:72": 1, f"{kind}@train.py:36": 3}
+            ),
+            1: waiting(1, kind, 7, "train.py:36", detail=detail, sites={f"{kind}@train.py:36": 4}),
+        }
+        text = verdict.verdict(states)
+        assert text.startswith("rank 0 is in all_reduce #7 (train.py:72) while rank 1 is in"), text
+        assert "rank 0 ran code the others did not" in text, text
+        assert verdict.FIX_BRANCH + verdict.IN_THE_LOOP in text and verdict.FIX_EVAL not in text, text
+    # A branch whose other side is no engine's call keeps the fix as it was.
+    states = {0: waiting(0, "all_reduce", 7, "train.py:72"), 1: waiting(1, "barrier", 7, "train.py:73")}
+    assert verdict.IN_THE_LOOP not in verdict.verdict(states)
+
+
 def test_verdict_an_engine_built_on_one_rank() -> None:
     """ZeRO-3's engine is built by the first call that needs it: a one-rank ``optimizer.state_dict()``
     before any training builds it on rank 0 alone while rank 1 is in its first forward."""
