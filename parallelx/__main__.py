@@ -180,6 +180,8 @@ def _convert(src: Path, dst: Path, to: str = "torch", max_shard_size: str | None
     found = src if (src / STATE_FILE).is_file() else latest_checkpoint(src)
     if found is None:
         raise ParallelxError(f"{src} holds no training-state checkpoint (no {STATE_FILE}, no checkpoints/latest)")
+    if not isinstance(found, Path):  # a run directory's checkpoints in a store: not read from there yet
+        raise ParallelxError(f"convert-checkpoint reads a local checkpoint; {found} is in an object store")
     if to == "safetensors":
         files = sharded.convert_to_safetensors(found / STATE_FILE, dst, max_shard_size=max_shard_size)
         print(f"wrote {len(files)} safetensors file(s) under {dst} from {found}")

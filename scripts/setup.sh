@@ -142,8 +142,8 @@ horovod() {
 }
 
 if ! current "$test_stamp" "$all_want"; then
-    echo "[setup] installing deepspeed, the trackers and the dev tools (seconds with uv)"
-    install -e ".[deepspeed,trackers,dev]"
+    echo "[setup] installing deepspeed, the trackers, the s3 extra and the dev tools with the tests' S3 store (seconds with uv)"
+    install -e ".[deepspeed,trackers,s3,dev]"
     # DeepSpeed JIT-compiles a shared-memory op for CPU communication on first
     # use (~40 s, cached under TORCH_EXTENSIONS_DIR).  Build it here, in one
     # process, rather than in two ranks racing at the first launch: for make test in the
@@ -182,7 +182,7 @@ fi
 # The scenarios' and the docs' tools: Ray Train (an 80 MB wheel), MkDocs and its plugins.
 if ! current "$extra_stamp" "$all_want"; then
     echo "[setup] installing ray and the docs tools (seconds with uv, about 1 minute with pip)"
-    install -e ".[deepspeed,ray,trackers,dev,docs]"
+    install -e ".[deepspeed,ray,trackers,s3,dev,docs]"
     echo "$all_want" >"$extra_stamp"
 fi
 

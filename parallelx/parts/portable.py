@@ -13,16 +13,19 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from parallelx import storage
 from parallelx.errors import ParallelxError, first_line
 from parallelx.parts.state import to_cpu  # noqa: F401  (parallelx.parts.portable.to_cpu is documented)
+
+# The local writes live with the rest of the storage seam; their names here are documented.
+from parallelx.storage import atomic_write, fsync_dir, write_synced  # noqa: F401
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -47,53 +50,15 @@ def portable(obj: Any, model_state: Callable[[nn.Module], Any], optimizer_state:
     return obj
 
 
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename into it) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Create ``path``, fill it with ``write`` and flush it to disk."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
-    """Fill a temporary file beside ``path`` with ``write``, flush it, then
-    rename it into place: a failure (or a crash) leaves any previous file intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write_synced(Path(tmp), write)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` through :func:`atomic_write`."""
-    atomic_write(path, lambda f: torch.save(obj, f))
+    """``torch.save`` through :func:`atomic_write`; a URL (``s3://...``) through :mod:`parallelx.storage`."""
+    storage.save(obj, storage.location(path))
 
 
 def load(path: str | os.PathLike[str], *, weights_only: bool = True) -> Any:
-    """Read a checkpoint onto the CPU; a missing or unreadable file is one clear error."""
-    p = Path(path)
-    if not p.is_file():
-        raise ParallelxError(f"checkpoint {p} does not exist")
-    try:
-        return torch.load(p, map_location="cpu", weights_only=weights_only)
-    except Exception as exc:  # truncated, not a torch file, pickled objects refused by weights_only
-        raise ParallelxError(f"checkpoint {p} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
+    """Read a checkpoint onto the CPU; a missing or unreadable file is one clear error.
+    A URL (``s3://...``) is read through :mod:`parallelx.storage`, as strictly."""
+    return storage.load(storage.location(path), weights_only=weights_only)
 
 
 #: Below this much free space after a failed write, the error says the disk is the likely cause.
@@ -104,6 +69,8 @@ def write_failure(path: str | os.PathLike[str], exc: BaseException) -> str:
     """``exc`` of a failed checkpoint write, with the free space of ``path``'s disk when that is the
     likely cause: torch reports a full disk as ``unexpected pos 469923264 vs 469923152``."""
     text = f"{type(exc).__name__}: {exc}"
+    if storage.is_url(path):  # a store's own errors say the cause (no local disk to look at)
+        return f"{type(exc).__name__}: {first_line(exc)}"
     where = Path(path).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent

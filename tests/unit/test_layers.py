@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: docs/protocol.md's table of the tree follows this list.
 LAYERS: list[set[str]] = [
     {"errors", "log", "utils", "version", "_compat"},
-    {"settings", "transforms"},  # timeouts, devices; what is done to a model before and around wrapping
+    {"settings", "transforms", "storage"},  # timeouts, devices; around wrapping; where checkpoint files live
     {"launching", "forensics"},  # where the ranks come from, how processes start; what each rank was doing
     {"parts", "bigmodels"},  # collectives, gradient sync, ..., the loop, the sampler; weights in and out
     {"observability"},  # the monitor, throughput, profiles, trackers
@@ -33,6 +33,7 @@ HEAVY += ("torch.utils.tensorboard", "mlflow", "wandb")  # the trackers' package
 HEAVY += ("torch._inductor",)  # compile's options: only when a model is compiled
 HEAVY += ("torch.utils.flop_counter",)  # it imports triton where torch has it: only when FLOPs are counted
 HEAVY += ("safetensors", "transformers", "huggingface_hub")  # big-model formats, where a user has them
+HEAVY += ("fsspec", "s3fs")  # object stores (parallelx/storage.py): the s3 extra, only for a URL
 #: No folder of parallelx/ holds more modules than this (a newcomer reads a folder's names at a glance).
 MOST_MODULES = 15
 

@@ -1,0 +1,61 @@
+"""Training-state checkpoints in an S3-compatible store, under a real launcher
+(tests/system/test_object_store.py starts the store and this worker at 2 processes).
+
+A: train SAVE_AT steps, save to ``--url`` (every step, keep 2), train MORE.  B:
+fresh objects (other initial weights), the latest complete checkpoint found in
+the store as ``--resume auto`` finds it, MORE steps: A == B bitwise.  Also
+``backend.save`` / ``backend.load`` of the weights through the same URL.
+Rank 0 writes ``result.pt`` into the local ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from trainstate_worker import Run
+
+import parallelx
+
+SAVE_AT, MORE = 3, 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parallelx.add_arguments(parser)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    backend = parallelx.from_args(args)
+    with backend:
+        a = Run(backend, "adamw", dropout=0.0, noise=False)
+        saved = []
+        for _ in range(SAVE_AT):
+            a.train(1)
+            saved.append(str(a.save(args.url, keep=2)))
+        a.train(MORE)
+        weights_url = f"{args.url}/weights.pt"
+        backend.save(a.model, weights_url)
+        loaded = backend.load(weights_url)
+        found = parallelx.latest_checkpoint(args.url)
+        b = Run(backend, "adamw", init_seed=99, dropout=0.0, noise=False)
+        info = b.load(found)
+        b.train(MORE)
+        if backend.is_main():
+            torch.save(
+                {
+                    "A": a.weights(),
+                    "B": b.weights(),
+                    "loaded": loaded,
+                    "saved": saved,
+                    "found": str(found),
+                    "step": info["counters"]["global_step"],
+                    "world_size": backend.world_size,
+                },
+                args.out / "result.pt",
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Checkpoints in an S3-compatible object store: a real one, SeaweedFS's ``weed mini``,
+started by the tests (tests/support/store.py; no mock of the store).
+
+A store has no rename: a checkpoint is complete once its commit record is in it.
+Checked here: save and resume bitwise under torchrun with 2 processes, retention
+(only complete, older checkpoints go), a checkpoint without its commit record is
+never taken, a wrong key or a missing bucket is one line naming the URL (never
+the secret), and ``backend.save`` / ``load`` through a URL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launching import launch, require_launcher
+from store import SECRET_KEY
+from trainstate_worker import Run
+
+import parallelx
+from parallelx import ParallelxError, storage
+from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
+
+
+@pytest.fixture
+def backend():
+    with parallelx.get_backend("single") as b:
+        yield b
+
+
+def _steps(store, bucket: str, prefix: str = "run/checkpoints/") -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for key in store.keys(bucket, prefix):
+        rest = key[len(prefix) :]
+        if "/" in rest:
+            step, file = rest.split("/", 1)
+            found.setdefault(step, []).append(file)
+    return found
+
+
+# The one launch of make test (about 30 s); the rest of this file is a scenario but for two checks without a store.
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path):
+    store, bucket = s3_env
+    require_launcher("torchrun")
+    url = f"s3://{bucket}/run"
+    res = launch(
+        "torchrun",
+        ["tests/support/store_worker.py", "--backend", "ddp", "--url", url, "--out", str(tmp_path)],
+        timeout=240,
+        env=store.env(),
+    )
+    assert res.returncode == 0, f"torchrun store worker failed:\n{res.tail(60)}"
+    assert SECRET_KEY not in res.output
+    r = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert r["world_size"] == 2 and r["step"] == 3
+    assert r["found"] == f"{url}/checkpoints/step-00000003" == r["saved"][-1]
+    assert all(torch.equal(r["A"][k], r["B"][k]) for k in r["A"]), "resumed from the store, the weights differ"
+    assert all(torch.equal(r["A"][k], r["loaded"][k]) for k in r["A"]), "backend.load of the URL differs"
+    steps = _steps(store, bucket)
+    # keep=2: the oldest complete one went; each one kept holds every rank's files and its commit record.
+    assert sorted(steps) == ["step-00000002", "step-00000003"]
+    for files in steps.values():
+        assert sorted(files) == sorted([COMMIT, "rng-rank0.pt", "rng-rank1.pt", "state.pt"])
+
+
+@pytest.mark.scenario
+@pytest.mark.timeout(300)
+def test_a_checkpoint_without_its_commit_record_is_never_taken(s3_env, backend):
+    store, bucket = s3_env
+    url = f"s3://{bucket}/run"
+    run = Run(backend, "sgd")
+    run.train(1)
+    first = run.save(url)
+    run.train(1)
+    second = run.save(url)
+    assert latest_checkpoint(url) == second == f"{url}/checkpoints/step-00000002"
+    # A crash before the commit record: every file there but the record (and `latest` naming it).
+    store.client().delete_object(Bucket=bucket, Key=f"run/checkpoints/step-00000002/{COMMIT}")
+    assert not is_complete(second) and is_complete(first)
+    assert latest_checkpoint(url) == first
+    with pytest.raises(ParallelxError, match="not a complete checkpoint"):
+        Run(backend, "sgd").load(second)
+    # Retention counts and deletes complete checkpoints only: the partial one stays, untouched.
+    for _ in range(3):
+        run.train(1)
+        run.save(url, keep=1)
+    steps = _steps(store, bucket)
+    assert sorted(steps) == ["step-00000002", "step-00000005"], steps
+    assert COMMIT not in steps["step-00000002"] and COMMIT in steps["step-00000005"]
+    assert latest_checkpoint(url) == f"{url}/checkpoints/step-00000005"
+
+
+@pytest.mark.scenario
+def test_resume_auto_with_the_checkpointer(s3_env, backend):
+    store, bucket = s3_env
+    url = f"s3://{bucket}/loop"
+    run = Run(backend, "adamw")
+    made = parallelx.Checkpointer(backend, url, every=1, model=run.model, optimizer=run.optimizer, best=1.5)
+    assert made.resume("auto") is None  # nothing there yet: a fresh start
+    made["best"] = 0.25
+    made.global_step = 4
+    saved = made.save()
+    again = parallelx.Checkpointer(backend, url, every=1, model=run.model, optimizer=run.optimizer, best=1.5)
+    assert again.resume("auto") == saved == f"{url}/checkpoints/step-00000004"
+    assert again["best"] == 0.25 and again.global_step == 4
+
+
+@pytest.mark.scenario
+def test_wrong_key_and_missing_bucket_end_with_one_line_naming_the_url(s3_env, backend, monkeypatch):
+    store, bucket = s3_env
+    run = Run(backend, "sgd")
+    run.train(1)
+    missing = "s3://px-no-such-bucket/run"
+    for act in (lambda: latest_checkpoint(missing), lambda: run.save(missing)):
+        with pytest.raises(ParallelxError) as exc:
+            act()
+        text = str(exc.value)
+        assert "\n" not in text and "s3://px-no-such-bucket" in text and "does not exist" in text, text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    storage._filesystems.clear()
+    url = f"s3://{bucket}/run"
+    for act in (lambda: latest_checkpoint(url), lambda: run.save(url), lambda: backend.load(f"{url}/w.pt")):
+        with pytest.raises(ParallelxError) as exc:
+            act()
+        text = str(exc.value)
+        assert "\n" not in text and url in text and "access denied" in text, text
+        assert "not-the-key" not in text and SECRET_KEY not in text
+
+
+def test_a_url_without_the_filesystem_package_names_the_pip_command(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # not installed
+    storage._filesystems.clear()
+    with pytest.raises(ParallelxError, match=r"pip install 'parallelx\[s3\]'"):
+        storage.exists(storage.location("s3://bucket/run"))
+    storage._filesystems.clear()
+
+
+def test_locations():
+    from pathlib import Path
+
+    assert storage.location("runs/x") == Path("runs/x")
+    assert storage.location("file:///tmp/x") == Path("/tmp/x")
+    assert storage.location("s3://b/run/") == "s3://b/run"
+    assert storage.join(storage.location("s3://b/run"), "checkpoints") == "s3://b/run/checkpoints"
+    assert storage.show("s3://key:secret@b/run") == "s3://b/run"
