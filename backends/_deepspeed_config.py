@@ -2,8 +2,10 @@
 
 A user's config file (or dict) is read, completed by the constructor's
 options (explicit ones win), and DeepSpeed's defaults that change the update
-are set to the plain values unless the file sets them (:data:`PLAIN_MATH`);
-entries that do change the math are named, so the backend can say so.
+are set to the plain values unless the file sets them (:data:`PLAIN_MATH`).
+Its ``optimizer`` and ``scheduler`` sections are refused (:func:`refuse_engine_sections`);
+what the run adopts from the rest, keeps for the engine and overrides is one
+line (:func:`config_line`), which names the entries that change the math.
 
 Not a backend (the leading underscore): the registry names its modules
 explicitly.
@@ -42,15 +44,16 @@ def build_config(
     user: dict[str, Any], zero_stage: int | None, micro_batch_size: int | None, options: LoopOptions
 ) -> dict[str, Any]:
     cfg = json.loads(json.dumps(user))  # a deep copy we may edit
+    # The batch is the script's loader's: DeepSpeed's batch sizes are its bookkeeping only.  A
+    # train_batch_size would be checked against micro x accumulation x world, and fail inside
+    # DeepSpeed at a world size it does not divide: it is dropped (config_line says so).
+    cfg.pop("train_batch_size", None)
     if micro_batch_size is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
-        cfg.pop("train_batch_size", None)  # recomputed by DeepSpeed from micro x gas x world
+    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
     # Only DeepSpeed's bookkeeping reads it: parallelx marks the windows'
     # boundaries itself and divides the loss once (Backend.backward).
     cfg["gradient_accumulation_steps"] = options.accumulate
-    if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
-        # Only DeepSpeed's bookkeeping reads it: the data loader is ours.
-        cfg["train_micro_batch_size_per_gpu"] = 1
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ParallelxError(f"deepspeed: config entry zero_optimization must be an object, got {zero!r}")
@@ -202,9 +205,147 @@ def math_changes(user: Mapping[str, Any]) -> list[str]:
         changes.append(f"communication_data_type={user['communication_data_type']!r}")
     if user.get("gradient_accumulation_steps", 1) != 1:
         changes.append(f"gradient_accumulation_steps={user['gradient_accumulation_steps']!r}")
-    if "scheduler" in user:
-        changes.append("a scheduler (stepped inside optimizer.step())")
     return changes
+
+
+#: Where a DeepSpeed user reads the torch form of each config section.
+DOCS = "docs/from-deepspeed.md"
+#: DeepSpeed's fp16 loss-scaler settings (runtime/fp16/loss_scaler.py, runtime/config.py).
+LOSS_SCALER = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+def _torch_optimizer(section: Mapping[str, Any]) -> str:
+    """The torch optimizer a config ``optimizer`` section stands for, as code."""
+    kind = str(section.get("type", "?"))
+    params = dict(section.get("params") or {})
+    adam_w = params.pop("adam_w_mode", True)
+    params.pop("torch_adam", None)
+    if kind.lower() in ("adam", "adamw"):
+        # DeepSpeed's Adam is AdamW unless adam_w_mode is false, and its weight decay defaults
+        # to 0 where torch's AdamW defaults to 0.01: written out either way.
+        cls = "AdamW" if kind.lower() == "adamw" or adam_w else "Adam"
+        params.setdefault("weight_decay", 0.0)
+    elif hasattr(torch.optim, kind):
+        cls = kind
+    else:
+        return f"no torch optimizer is {kind} (DeepSpeed's own); pick a torch.optim optimizer"
+    args = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}" for k, v in params.items())
+    return f"torch.optim.{cls}(model.parameters(){', ' + args if args else ''})"
+
+
+def _torch_scheduler(section: Mapping[str, Any]) -> str:
+    """What to write for a config ``scheduler`` section."""
+    kind = str(section.get("type", "?"))
+    params = section.get("params") or {}
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        low, steps = params.get("warmup_min_lr", 0), params.get("warmup_num_steps", 1000)
+        return (
+            f"a torch.optim.lr_scheduler.LambdaLR (or LinearLR) on the torch optimizer (its lr the warm-up's "
+            f"top), stepped by backend.step(optimizer, scheduler); DeepSpeed's {kind} runs its first two steps at "
+            f"warmup_min_lr={low} and reaches the top after warmup_num_steps={steps}: {DOCS} gives a LambdaLR "
+            "with its exact values"
+        )
+    return f"a torch.optim.lr_scheduler on the torch optimizer, stepped by backend.step(optimizer, scheduler) ({kind})"
+
+
+def refuse_engine_sections(user: Mapping[str, Any]) -> None:
+    """Refuse a config's ``optimizer`` and ``scheduler`` sections, with the torch form of each.
+
+    parallelx steps the script's torch optimizer on every backend and never builds one from a
+    config.  Beside the script's optimizer DeepSpeed ignores the ``optimizer`` section without a
+    word, and builds the ``scheduler`` section on the script's optimizer: WarmupLR sets the lr to
+    its minimum (0 by default) when the engine is built, a scheduler the script then builds on the
+    optimizer takes that as its base lr, and the run trains at lr 0.  Without an optimizer given to
+    setup the section would give this backend alone an optimizer the script never steps."""
+    sections = [k for k in ("optimizer", "scheduler") if k in user]
+    if not sections:
+        return
+    said = []
+    for key in sections:
+        section = user[key] if isinstance(user[key], Mapping) else {}
+        write = _torch_optimizer(section) if key == "optimizer" else _torch_scheduler(section)
+        said.append(f"its {key!r} section ({section.get('type', '?')}): write {write}")
+    raise ParallelxError(
+        f"deepspeed: the config has {' and '.join(repr(k) for k in sections)} section(s), which parallelx does "
+        "not use on any backend: the script's torch optimizer (and scheduler) are the ones stepped, and DeepSpeed "
+        "would ignore the optimizer section beside it and set the script's lr from the scheduler section (WarmupLR "
+        "starts at warmup_min_lr, 0 by default, the base lr a script's scheduler then takes). Remove the "
+        f"section(s) from the config and, in the script, {'; '.join(said)}. See {DOCS}"
+    )
+
+
+def config_line(
+    user: Mapping[str, Any],
+    cfg: Mapping[str, Any],
+    asked: LoopOptions,
+    options: LoopOptions,
+    *,
+    zero_stage: int | None,
+    micro_batch_size: int | None,
+) -> tuple[str, bool]:
+    """One line: what the run adopts from the user's config ``user`` into the loop options
+    (``asked`` before, ``options`` after), what it keeps for DeepSpeed's engine as it is,
+    what it overrides (``cfg`` is the engine's config), and which entries make the update
+    differ from the other backends'.  True with it when the line changes the update (a warning)."""
+    adopted: list[str] = []
+    overridden: list[str] = []
+    kept: list[str] = []
+    gas = user.get("gradient_accumulation_steps")
+    if gas not in (None, "auto"):
+        if options.accumulate != asked.accumulate:
+            adopted.append(f"gradient_accumulation_steps={gas} as --accumulate {options.accumulate}")
+        elif int(gas) != options.accumulate:
+            overridden.append(f"gradient_accumulation_steps={gas} (--accumulate {options.accumulate})")
+    clip = user.get("gradient_clipping")
+    if isinstance(clip, (int, float)) and clip > 0:
+        who = (
+            "clipped by DeepSpeed's engine, which holds the 16-bit or offloaded gradients"
+            if engine_clips(cfg)
+            else "clipped by parallelx as on every backend; the engine's own clipping set to 0"
+        )
+        if asked.clip_grad_norm is None:
+            adopted.append(f"gradient_clipping={clip} as --clip-grad-norm {clip} ({who})")
+        elif asked.clip_grad_norm != clip:
+            overridden.append(f"gradient_clipping={clip} (--clip-grad-norm {asked.clip_grad_norm})")
+    zero = user.get("zero_optimization")
+    zero = zero if isinstance(zero, Mapping) else {}
+    if "stage" in zero:
+        if zero_stage is None or zero_stage == zero["stage"]:
+            adopted.append(f"zero_optimization.stage={zero['stage']}")
+        else:
+            overridden.append(f"zero_optimization.stage={zero['stage']} (--zero-stage {zero_stage})")
+    if "train_batch_size" in user:
+        overridden.append(
+            f"train_batch_size={user['train_batch_size']} (dropped: a step's batch is the script's loader's "
+            "batch x processes x --accumulate)"
+        )
+    if micro_batch_size is not None and user.get("train_micro_batch_size_per_gpu") not in (None, micro_batch_size):
+        overridden.append(f"train_micro_batch_size_per_gpu={user['train_micro_batch_size_per_gpu']} (--batch-size)")
+    for half in ("fp16", "bf16"):
+        section = user.get(half)
+        if isinstance(section, Mapping) and section.get("enabled") not in (None, False):
+            scaler = [f"{k}={section[k]}" for k in LOSS_SCALER if k in section]
+            kept.append(f"{half} ({', '.join(['enabled', *scaler])})")
+    if options.precision == "16-mixed" and not kept and isinstance(user.get("fp16"), Mapping):
+        scaler = [f"{k}={user['fp16'][k]}" for k in LOSS_SCALER if k in user["fp16"]]
+        if scaler:
+            kept.append(f"fp16's loss scaler under --precision 16-mixed ({', '.join(scaler)})")
+    tuning = [k for k in zero if k != "stage"]
+    if tuning:
+        kept.append(f"zero_optimization's {', '.join(tuning)}")
+    handled = {"gradient_accumulation_steps", "gradient_clipping", "zero_optimization", "train_batch_size"}
+    handled |= {"train_micro_batch_size_per_gpu", "fp16", "bf16"}
+    kept += [k for k in user if k not in handled]
+    differs = [c for c in math_changes(user) if not c.startswith(("gradient_clipping", "gradient_accumulation"))]
+    if options.precision == "16-mixed":
+        differs = [c for c in differs if c != "fp16.enabled=true"]  # what 16-mixed is on this backend
+    parts = [f"adopted {', '.join(adopted)}"] if adopted else []
+    parts += [f"overridden: {', '.join(overridden)}"] if overridden else []
+    parts += [f"kept for DeepSpeed's engine: {', '.join(kept)}"] if kept else []
+    if differs:
+        parts.append(f"the update differs from the other backends' by {', '.join(differs)}")
+    line = "deepspeed: from the config, " + ("; ".join(parts) or "nothing (it is empty)")
+    return line, options != asked or bool(differs)
 
 
 def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Training) -> RankMemory:

@@ -73,6 +73,19 @@ class DeepSpeedModel(nn.Module):
         with keep_rng_state(), self.watch("engine build (DeepSpeed's, a collective)"):
             self.build(self, optimizer)  # as in every set-up call: the user's random numbers stay theirs
         object.__setattr__(self, "pending", None)
+        if optimizer is not None:
+            # Every backward accumulates, a plain loss.backward() too (ZeRO 1 and 2 would otherwise reduce
+            # in it, and again at step); the reduction is the optimizer's (finish_accumulation).
+            self._engine.set_gradient_accumulation_boundary(False)
+            engine = self._engine
+            if not engine._support_torch_style_backward and not engine.fp16_enabled():
+                # ZeRO 0 has no torch-style backward hooks and refuses a loss.backward() its engine did not
+                # start ("Direct calls to tensor.backward() are not supported"), which the protocol form
+                # (wrap_model, loss.backward(), optimizer.step()) is.  Its own backward only adds the
+                # boundary's all-reduce, which parallelx runs at step (finish_accumulation), and the loss
+                # scaling, which float16 alone needs (there DeepSpeed's refusal stays, and says why).
+                engine._running_engine_backward_count += 1
+                engine._running_engine_backward = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.lockstep is not None:  # before a build, which waits for every rank in DeepSpeed's own collectives
@@ -187,7 +200,12 @@ class DeepSpeedOptimizer(torch.optim.Optimizer):
                 "deepspeed: optimizer.step(closure) is not supported; DeepSpeed steps after backend.backward(loss)"
             )
         self.finish_accumulation()
+        # torch.optim's step pre-hooks, once the gradients are the averaged ones the update uses
+        # (as on every backend: python -m parallelx check reads them there).
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            pre_hook(self, (), {})
         self.engine.step()
+        self.engine.set_gradient_accumulation_boundary(False)  # the next backward accumulates (build_now)
         self.reduced = False
         for hook in list(
             self._optimizer_step_post_hooks.values()

@@ -27,7 +27,7 @@ in ``backends/``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,6 +274,7 @@ def global_grad_norm(
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     *,
     exact: bool,
+    spread: Collection[int] = (),
 ) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient, taken as
     ``torch.nn.utils.get_total_norm`` takes it on one process: each
@@ -287,7 +288,9 @@ def global_grad_norm(
     gradients: under ZeRO 1-2 the few that straddle partitions, under ZeRO-3
     every parameter), so its norm too is torch's to the bit; without, the
     root of its slices' squares, which differs from torch's in the order of
-    additions only.  ``all_reduce`` sums a tensor over the ranks."""
+    additions only.  ``all_reduce`` sums a tensor over the ranks.  ``spread``: the ids of
+    parameters that are other tensors on other ranks at the same position (DeepSpeed's MoE
+    experts), whose squares add up but whose slices are never put together."""
     if not params:
         return torch.zeros(())
     index = {id(p): i for i, p in enumerate(params)}
@@ -304,7 +307,7 @@ def global_grad_norm(
             stats[1, index[id(s.param)]] = float(s.whole)
     stats = all_reduce(stats)
     per_param = stats[0].sqrt().to(dtype)
-    split = [i for i, held in enumerate(stats[1].tolist()) if not held]
+    split = [i for i, held in enumerate(stats[1].tolist()) if not held and id(params[i]) not in spread]
     if exact and split:
         sizes = [full_numel(params[i]) for i in split]
         starts = dict(zip(split, itertools.accumulate([0, *sizes[:-1]])))
@@ -344,6 +347,11 @@ def clip_(slices: Sequence[GradSlice], max_norm: float, norm: torch.Tensor) -> N
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for s in slices:
         s.grad.mul_(coef.to(s.grad.device))
+
+
+def trained_groups(zero: Any, stage: int) -> list[list[nn.Parameter]]:
+    """The model's parameters of each of the optimizer's param groups, in order (ZeRO 1-3)."""
+    return _groups(zero, stage)
 
 
 def _groups(zero: Any, stage: int) -> list[list[nn.Parameter]]:

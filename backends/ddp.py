@@ -6,7 +6,9 @@ NCCL on GPUs (device ``cuda:$LOCAL_RANK``), Gloo on the CPU.  Gradients are
 averaged over the ranks, so with equal per-rank batches the update is that of
 one process on the global batch.  Started without a launcher, it runs as a
 world of one process (and says how to launch more), which keeps
-``python train.py --backend ddp`` usable for debugging.
+``python train.py --backend ddp`` usable for debugging.  ``bf16-compute``: each
+forward and backward runs on a bfloat16 copy of the weights, DDP averages the
+float32 gradients (``backends/_compute_copy.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from parallelx.launching.launchers import Launcher
 from parallelx.parts.gradsync import GradientSync, Models
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec
+
+from ._compute_copy import compute_copy
+from ._moe import refuse_expert_layers
 
 TORCHRUN = Launcher(
     name="torchrun",
@@ -88,6 +93,7 @@ class DDPStrategy(ProcessGroupStrategy):
         return DDPSync(self.run.models, self.wrapped)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        refuse_expert_layers(model, self.name)
         device = self.run.device
         model = model.to(device)
         if not any(p.requires_grad for p in model.parameters()):
@@ -97,6 +103,8 @@ class DDPStrategy(ProcessGroupStrategy):
                 for tensor in model.state_dict().values():
                     dist.broadcast(tensor.data, src=0)
             return model
+        # bf16-compute: the forward and backward on a bfloat16 copy; DDP averages the float32 gradients.
+        compute_copy(model, lambda: self.run.options.compute_dtype, self.name, self.run.activation_checkpointing)
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)

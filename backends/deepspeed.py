@@ -13,12 +13,14 @@ a :class:`DeepSpeedOptimizer`, a ``torch.optim.Optimizer`` whose ``step()`` and
 (``backend.backward(loss); optimizer.step(); optimizer.zero_grad()``) work.
 
 The config comes from the constructor (``micro_batch_size``, ``zero_stage``)
-or from a user's JSON file (``config="ds_config.json"``); options given
-explicitly override the file.  DeepSpeed's own defaults that change the update
-are turned off unless the file sets them (``_deepspeed_config.PLAIN_MATH``); a file
-that does set one is honoured, and a warning says that the math now differs
-from the other backends.  Without a GPU DeepSpeed picks its CPU accelerator
-and communicates over Gloo.
+or from a user's JSON file or dict (``config="ds_config.json"``, ``config={...}``);
+options given explicitly override it.  DeepSpeed's own defaults that change the update
+are turned off unless the config sets them (``_deepspeed_config.PLAIN_MATH``); a config
+that does set one is honoured.  Its ``optimizer`` and ``scheduler`` sections are
+refused at construction (the script's torch optimizer and scheduler are the ones
+stepped, on every backend); one start-up line on rank 0 says what the run adopts
+from the rest, keeps for the engine and overrides, a warning where that changes
+the update.  Without a GPU DeepSpeed picks its CPU accelerator and communicates over Gloo.
 
 Private helpers beside it: ``_deepspeed_config`` builds the config,
 ``_deepspeed_engine`` holds the model and optimizer adapters, and
@@ -44,16 +46,31 @@ from torch import nn
 
 from parallelx.bigmodels.estimate import ModelCounts, RankMemory, Training
 from parallelx.bigmodels.export import Layout
+from parallelx.cli import SameInScripts
 from parallelx.errors import BackendUnavailableError, ParallelxError
 from parallelx.launching.launchers import Launcher
-from parallelx.log import warn
+from parallelx.log import info, warn
 from parallelx.parts.collectives import Collectives
-from parallelx.parts.gradsync import GradientSync, Models, model_order, owner_names
+from parallelx.parts.gradsync import (
+    GradientSync,
+    Models,
+    clip_to_norm,
+    model_order,
+    optimizer_params,
+    owner_names,
+    summed_per_parameter,
+)
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import EnginePrecision, Precision
 from parallelx.parts.shards import ParameterShards
-from parallelx.parts.stateio import StateIO, Unwrap, keyed_like
+from parallelx.parts.state import (
+    indexed_optimizer_state,
+    load_named_optimizer_state,
+    named_from_indexed,
+    named_optimizer_state,
+)
+from parallelx.parts.stateio import StateIO, Unwrap, keyed_like, named_parameters
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec, Joined, unwrap
 
@@ -63,14 +80,17 @@ from ._deepspeed_config import (  # noqa: F401
     PLAIN_MATH,
     adopt_config,
     build_config,
+    config_line,
     engine_clips,
     math_changes,
     model_sizes,
     read_config,
+    refuse_engine_sections,
     with_sizes,
     zero_memory,
 )
 from ._deepspeed_engine import DeepSpeedModel, DeepSpeedOptimizer, graph_parameters
+from ._moe import ExpertLayout, check_groups, check_stage, expert_layers, expert_norm
 from ._shards import ZeroShards
 
 INSTALL_HINT = "pip install 'deepspeed==0.19.8' (or pip install 'parallelx[deepspeed]')"
@@ -161,6 +181,13 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"deepspeed: gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
             )
         self.user = read_config(config)
+        # Refused before anything is built, on every rank alike: parallelx never builds an optimizer or
+        # a scheduler from a config (on any backend), and beside the script's they change its math.
+        refuse_engine_sections(self.user)
+        #: The user's config as given (``user`` gains --cpu-offload's entries), for the start-up line.
+        self.given = read_config(self.user)
+        #: The start-up line saying what the run takes from the config, and whether it is a warning.
+        self.config_line: tuple[str, bool] | None = None
         self.zero_stage_asked, self.micro_batch_size = zero_stage, micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.wrapped: list[DeepSpeedModel] = []
@@ -171,6 +198,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def configure(self, options: LoopOptions) -> LoopOptions:
         """The user's config file adopted into the loop options (its accumulation, clipping, precision),
         then the engine's config built from both."""
+        if options.compute_dtype is not None:
+            # DeepSpeed's bf16 engine runs at ZeRO 0-3 here, but it keeps the float32 masters inside its
+            # optimizer's partitions and the module holds the bfloat16 copies: the model state parallelx
+            # saves and loads (portable files, training state) would be the copies, a silent rounding.
+            raise ParallelxError(
+                "deepspeed: --precision bf16-compute is not offered: DeepSpeed's bf16 engine holds the float32 "
+                "weights inside ZeRO's optimizer and the model only as bfloat16 copies, which checkpoints would "
+                "save; use the fsdp backend with --precision bf16-compute (its gathers in bfloat16, the float32 "
+                "shards saved), or --precision bf16-mixed (autocast) here"
+            )
         user = self.user
         if not self.config:  # the first time: the config file's own values become the run's options
             if self.run.cpu_offload:
@@ -184,10 +221,19 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": True})
                 user.setdefault("zero_force_ds_cpu_optimizer", False)
             self.math_changes = math_changes(user)
-            options = adopt_config(options, user, self.gradient_accumulation_steps)
+            asked, options = options, adopt_config(options, user, self.gradient_accumulation_steps)
         first = not self.config
         self.config = build_config(user, self.zero_stage_asked, self.micro_batch_size, options)
         if first:
+            if self.given:
+                self.config_line = config_line(
+                    self.given,
+                    self.config,
+                    asked,
+                    options,
+                    zero_stage=self.zero_stage_asked,
+                    micro_batch_size=self.micro_batch_size,
+                )
             self.warn_rounding(options)
         return options
 
@@ -208,12 +254,19 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         )
         group.add_argument(
             "--deepspeed-config",
+            "--deepspeed_config",
+            # A script that ran deepspeed.add_config_arguments(parser) has --deepspeed_config: its value is this one.
+            action=SameInScripts,
             default=None,
             metavar="JSON",
-            help="a DeepSpeed config file; explicit options override it (default: none, the "
-            "options alone)%(default).0s",
+            help="a DeepSpeed config file (or dict in code: config=); explicit options override it, its optimizer "
+            "and scheduler sections are refused (docs/from-deepspeed.md) (default: none, the options alone)"
+            "%(default).0s",
         )
-        # The deepspeed launcher appends --local_rank=N to the script's argv.
+        # DeepSpeed's launch lines pass --deepspeed (its flag that a config follows; no effect on its engine).
+        # Without it argparse would read --deepspeed as an abbreviation of --deepspeed-config.
+        group.add_argument("--deepspeed", action="store_const", const=True, default=False, help=argparse.SUPPRESS)
+        # The deepspeed launcher appends --local_rank=N to the script's argv; the rank comes from the environment.
         group.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
     @classmethod
@@ -221,10 +274,41 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         options = super().options_from_args(args)
         options.update(
             zero_stage=getattr(args, "zero_stage", None),
-            config=getattr(args, "deepspeed_config", None),
+            # --deepscale_config: DeepSpeed's former name, which add_config_arguments still adds.
+            config=getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None),
             micro_batch_size=getattr(args, "batch_size", None),
         )
         return options
+
+    @classmethod
+    def ignored_elsewhere(cls, options: Mapping[str, Any]) -> list[str]:
+        # Where deepspeed would adopt a config entry as a loop option, another backend must not drop it
+        # without a word: the same script would clip (or accumulate) on one backend and not another.
+        try:
+            cfg = read_config(options.get("config"))
+        except ParallelxError:
+            return []  # said by the deepspeed backend where it runs
+        said = []
+        clip = cfg.get("gradient_clipping")
+        if isinstance(clip, (int, float)) and clip > 0:
+            said.append(
+                f"the DeepSpeed config's gradient_clipping={clip} (deepspeed clips there): pass "
+                f"clip_grad_norm={clip} (--clip-grad-norm {clip}) to clip on every backend"
+            )
+        gas = cfg.get("gradient_accumulation_steps")
+        if isinstance(gas, int) and gas > 1:
+            said.append(
+                f"the DeepSpeed config's gradient_accumulation_steps={gas}: pass accumulate={gas} "
+                f"(--accumulate {gas}) to accumulate on every backend"
+            )
+        for section, precision in (("fp16", "16-mixed"), ("bf16", "bf16-mixed")):
+            entry = cfg.get(section)
+            if isinstance(entry, Mapping) and entry.get("enabled"):
+                said.append(
+                    f"the DeepSpeed config's {section} section: pass precision={precision!r} "
+                    f"(--precision {precision}) for a 16-bit forward on every backend"
+                )
+        return said
 
     @classmethod
     def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
@@ -267,11 +351,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             return_freed_memory(device)  # the gathered parameters' blocks, freed every step (_allocator)
             zero_state.share_float32_masters()
         self.sync = DeepSpeedSync(self.run.models, joined.comm, self.config, self.wrapped)
-        if self.math_changes:
-            warn(
-                f"deepspeed: the config sets {', '.join(self.math_changes)}; the update now differs from "
-                "what one process (and the other backends) compute"
-            )
+        if self.config_line is not None:  # one line, on rank 0 (parallelx.log)
+            line, changes_the_update = self.config_line
+            if changes_the_update:
+                warn(line)
+            else:
+                info(f"parallelx: {line}")
         return joined
 
     def gradient_sync(self) -> GradientSync:
@@ -290,6 +375,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         (or, for evaluation only, by the first forward)."""
         if isinstance(model, DeepSpeedModel):
             raise ParallelxError("deepspeed: this model is already wrapped")
+        check_stage(model, self.zero_stage)
         lockstep = None
         if (
             self.zero_stage == 3 and self.run.world.world_size > 1
@@ -327,6 +413,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "parameters belong to several models; give each model its own optimizer"
             )
         owner = owners[-1]
+        check_groups(owner.module, self.zero_stage, optimizer)
         if owner.built or owner.pending is not None:
             raise ParallelxError(
                 "deepspeed: the model's engine was already built without an optimizer (a forward "
@@ -429,6 +516,7 @@ class DeepSpeedSync(GradientSync):
         self.comm = comm
         self.config = config
         self.wrapped = wrapped
+        self.layouts: dict[int, ExpertLayout | None] = {}
 
     @property
     def zero_stage(self) -> int:
@@ -477,7 +565,16 @@ class DeepSpeedSync(GradientSync):
         if engine_clips(self.config):
             return None  # the engine clips inside its step (gradient_clipping in the config)
         if self.zero_stage == 0:
-            return super().clip(optimizer, max_norm)
+            experts = self.experts(cast(DeepSpeedOptimizer, optimizer).model.module)
+            if experts is None:
+                return super().clip(optimizer, max_norm)
+            # Each rank holds its own experts' gradients (DeepSpeed averages them in the expert groups):
+            # a norm of the local ones alone would differ between the ranks, and so would the clipping.
+            params = model_order(optimizer_params(optimizer), self.models())
+            norm = expert_norm(params, experts, lambda t: self.comm.all_reduce(t, "sum"))
+            if max_norm is not None:
+                clip_to_norm(params, max_norm, norm)
+            return norm
         # ZeRO 1-3: the engine's own clipping takes the norm in float64 and
         # divides by (norm + 1e-6) / max_norm; one process (and ddp, horovod,
         # ZeRO 0) takes it in the gradients' float32 and multiplies by
@@ -491,12 +588,24 @@ class DeepSpeedSync(GradientSync):
         ds = cast(DeepSpeedOptimizer, optimizer)
         slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
         params = model_order(ds.trained_params, self.models())
+        experts = self.experts(ds.model.module)
         norm = zero_state.global_grad_norm(
-            slices, params, lambda t: self.comm.all_reduce(t, "sum"), exact=max_norm is not None
+            slices,
+            params,
+            lambda t: summed_per_parameter(self.comm, t),
+            exact=max_norm is not None,
+            # Experts of other ranks sit at the same positions: their squares add up, their slices must not.
+            spread=set() if experts is None else set(experts.params),
         )
         if max_norm is not None:
             zero_state.clip_(slices, max_norm, norm)
         return norm
+
+    def experts(self, module: nn.Module) -> ExpertLayout | None:
+        """The layout of ``module``'s DeepSpeed MoE experts, made once (None: no MoE layer)."""
+        if id(module) not in self.layouts:
+            self.layouts[id(module)] = ExpertLayout(module) if expert_layers(module) else None
+        return self.layouts[id(module)]
 
     def apply(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
         engine = cast(DeepSpeedOptimizer, optimizer).engine
@@ -563,6 +672,10 @@ class DeepSpeedStateIO(StateIO):
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"zero_stage": self.zero_stage}
 
+    def whole_shape(self, param: torch.Tensor) -> tuple[int, ...]:
+        # Under ZeRO-3 the parameter's own tensor is this rank's partition (often empty).
+        return zero_state.full_shape(param)
+
     @contextlib.contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
         """Under ZeRO-3 each rank holds a slice of every parameter: gather them
@@ -575,12 +688,22 @@ class DeepSpeedStateIO(StateIO):
         else:
             yield
 
+    def experts(self, module: nn.Module) -> ExpertLayout | None:
+        """The layout of ``module``'s DeepSpeed MoE experts (``_moe``), None without MoE layers."""
+        return ExpertLayout(module) if expert_layers(module) else None
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         with self.gathered(self.unwrap(model)):
-            return super().model_state_dict(model)
+            state = super().model_state_dict(model)
+        experts = self.experts(self.unwrap(model))
+        # Each rank holds its own experts under the same local keys: every expert, by its global index.
+        return state if experts is None else experts.gather_model(state)
 
     def load_model_state_dict(self, model: nn.Module, state: Mapping[str, Any]) -> None:
         module = self.unwrap(model)
+        experts = self.experts(module)
+        if experts is not None:
+            state = experts.local_model(state)
         state = keyed_like(state, module)
         if self.zero_stage == 3:
             import deepspeed
@@ -606,6 +729,9 @@ class DeepSpeedStateIO(StateIO):
             zero_state.set_fp32_masters(model.engine.optimizer, self.zero_stage, module, state)
 
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any] | None:
+        experts = self.experts(optimizer.engine.module)
+        if experts is not None:  # positions in the whole model's groups (every expert), from the named state
+            return indexed_optimizer_state(self.named_state(optimizer.engine.module, optimizer, experts))
         if self.zero_stage == 0:  # DeepSpeedOptimizer.state_dict is the plain optimizer's
             return super().optimizer_state_dict(optimizer)
         # Gathered from the shards (a collective), in the layout torch.optim itself uses.
@@ -614,7 +740,12 @@ class DeepSpeedStateIO(StateIO):
         )
 
     def load_optimizer_state_dict(self, optimizer: Any, state: Mapping[str, Any]) -> None:
-        if self.zero_stage == 0:
+        module = optimizer.engine.module
+        experts = self.experts(module)
+        if experts is not None:
+            groups = [experts.whole_order(g) for g in self.group_names(module, optimizer, experts)]
+            self.load_named_state(module, optimizer, experts.local_optimizer(named_from_indexed(state, groups)))
+        elif self.zero_stage == 0:
             optimizer.load_state_dict(state)
         else:
             # A plain torch.optim state (as optimizer_state_dict gives): positions, in group order.
@@ -622,13 +753,42 @@ class DeepSpeedStateIO(StateIO):
                 optimizer.optimizer, self.zero_stage, zero_state.param_names(optimizer.engine.module), state
             )
 
-    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    def names(self, module: nn.Module) -> dict[int, str]:
+        """Each parameter's name in named optimizer states (ZeRO 1-3: as ``named_parameters`` gives it)."""
+        return named_parameters(module) if self.zero_stage == 0 else zero_state.param_names(module)
+
+    def group_names(self, module: nn.Module, optimizer: Any, experts: ExpertLayout) -> list[list[str]]:
+        """Each of the optimizer's param groups as this rank's parameter names, experts by global index."""
+        names = experts.global_names(self.names(module))
         if self.zero_stage == 0:
-            named = super().named_optimizer_state(model, optimizer)
+            return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return [
+            [names[id(p)] for p in params] for params in zero_state.trained_groups(optimizer.optimizer, self.zero_stage)
+        ]
+
+    def named_state(self, module: nn.Module, optimizer: Any, experts: ExpertLayout | None) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, whole: gathered from ZeRO's shards, and every
+        rank's experts by their global index (collectives)."""
+        names = self.names(module)
+        if experts is not None:
+            names = experts.global_names(names)
+        if self.zero_stage == 0:
+            named = named_optimizer_state(optimizer, names)
         else:
-            named = zero_state.gather_named(
-                optimizer.optimizer, self.zero_stage, zero_state.param_names(self.unwrap(model))
-            )
+            named = zero_state.gather_named(optimizer.optimizer, self.zero_stage, names)
+        return named if experts is None else experts.gather_optimizer(named)
+
+    def load_named_state(self, module: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
+        """Load a named state of this rank's parameters (experts under their local names)."""
+        names = self.names(module)
+        if self.zero_stage == 0:
+            load_named_optimizer_state(optimizer, names, state)
+        else:
+            zero_state.scatter_named(optimizer.optimizer, self.zero_stage, names, state)
+
+    def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        module = self.unwrap(model)
+        named = self.named_state(module, optimizer, self.experts(module))
         # The engine's own step counters ride along; a plain optimizer ignores them.
         engine = optimizer.engine
         named["engine_counters"] = {k: int(getattr(engine, k)) for k in ENGINE_COUNTERS}
@@ -640,12 +800,9 @@ class DeepSpeedStateIO(StateIO):
         return named
 
     def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
-        if self.zero_stage == 0:
-            super().load_named_optimizer_state(model, optimizer, state)
-        else:
-            zero_state.scatter_named(
-                optimizer.optimizer, self.zero_stage, zero_state.param_names(self.unwrap(model)), state
-            )
+        module = self.unwrap(model)
+        experts = self.experts(module)
+        self.load_named_state(module, optimizer, state if experts is None else experts.local_optimizer(state))
         counters = state.get("engine_counters")
         if counters is not None:
             for k in ENGINE_COUNTERS:

@@ -21,6 +21,9 @@ from parallelx.strategies.single_process import SingleProcessStrategy
 from parallelx.strategy import BackendSpec, Joined
 from parallelx.utils import has_batchnorm
 
+from ._compute_copy import compute_copy
+from ._moe import refuse_expert_layers
+
 
 class DataParallelStrategy(SingleProcessStrategy):
     spec = BackendSpec(
@@ -46,9 +49,18 @@ class DataParallelStrategy(SingleProcessStrategy):
         return self.world_of_one(device)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        refuse_expert_layers(model, self.name)
         model = model.to(self.run.device)
         if self.gpus < 2:
+            compute_copy(model, lambda: self.run.options.compute_dtype, self.name, self.run.activation_checkpointing)
             return model
+        if self.run.options.compute_dtype is not None:
+            # DataParallel's replicas run the forward in threads, each on the module's hooks.
+            raise ParallelxError(
+                f"dp: --precision bf16-compute over {self.gpus} GPUs is not offered (DataParallel's replicas "
+                "would share the bfloat16 copy's hooks across threads); use ddp (torchrun --nproc-per-node "
+                f"{self.gpus} ... --backend ddp), whose bf16-compute averages float32 gradients, or bf16-mixed here"
+            )
         if has_batchnorm(model):
             warn(
                 "dp: DataParallel normalises each GPU's slice of the batch with that slice's statistics "

@@ -23,7 +23,10 @@ window; clipping -> the global norm taken as one process takes it
 (``_fsdp_state.grad_norm``); ``16-mixed`` -> torch's ``ShardedGradScaler``,
 whose skip decision all ranks share; ``bf16-mixed`` -> autocast over float32 FSDP2
 (FSDP2's own ``MixedPrecisionPolicy`` casts the weights, which changes the
-numbers); ``--grad-compression`` -> ``MixedPrecisionPolicy(reduce_dtype=...)``.
+numbers); ``bf16-compute`` -> ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32, output_dtype=float32)`` (torchtitan's default: the gathers,
+forward and backward in bfloat16, the float32 shards stepped and their gradients
+reduced in float32); ``--grad-compression`` -> ``MixedPrecisionPolicy(reduce_dtype=...)``.
 
 Hybrid sharding (HSDP, ``replicate=R`` or ``--fsdp-replicate R``): a 2-D mesh of R
 groups that each hold a whole copy of the model, sharded over their N/R ranks; a
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,8 +61,16 @@ from parallelx.bigmodels.export import Layout
 from parallelx.bigmodels.meta import Values, has_meta
 from parallelx.errors import ParallelxError
 from parallelx.parts.collectives import Collectives
-from parallelx.parts.gradsync import GradientSync, Models, model_order, optimizer_params, owner_names
+from parallelx.parts.gradsync import (
+    GradientSync,
+    Models,
+    model_order,
+    optimizer_params,
+    owner_names,
+    summed_per_parameter,
+)
 from parallelx.parts.lockstep import ForwardLockstep
+from parallelx.parts.loop import LoopOptions
 from parallelx.parts.precision import Precision
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.state import named_from_indexed
@@ -70,6 +82,7 @@ from parallelx.transforms.units import UnitPolicy, parse_names, select_units
 from parallelx.utils import lazy_module
 
 from ._allocator import return_freed_memory
+from ._moe import refuse_expert_layers
 from ._shards import DTensorShards
 from .ddp import TORCHRUN
 
@@ -135,7 +148,7 @@ class FSDPSync(GradientSync):
         norm = fsdp_state.grad_norm(
             params,
             exact=max_norm is not None,
-            all_reduce=lambda t: self.comm.all_reduce(t, "sum"),
+            all_reduce=lambda t: summed_per_parameter(self.comm, t),
             replicas=self.replicas,
         )
         if max_norm is not None:
@@ -246,6 +259,16 @@ class FSDPStrategy(ProcessGroupStrategy):
         # whole forward and backward.
         return [layout(cls.spec.name, model, world_size, training, shards=("params", "grads", "optimizer"))]
 
+    def configure(self, options: LoopOptions) -> LoopOptions:
+        if self.sharded and options.compute_dtype != self.run.options.compute_dtype:
+            # The gathers' type is FSDP2's policy, fixed when a model is sharded.
+            raise ParallelxError(
+                f"fsdp: precision {options.precision} after a model was set up under {self.run.options.precision}: "
+                "FSDP2 fixes the type of its gathers when it shards a model; choose bf16-compute (or not) before "
+                "backend.setup(), in the Backend's options"
+            )
+        return super().configure(options)
+
     def state_io(self) -> StateIO:
         return FSDPStateIO(unwrap, self.run.models, self.sharded_checkpoints)
 
@@ -346,6 +369,7 @@ class FSDPStrategy(ProcessGroupStrategy):
 
         if isinstance(model, FSDPModule):
             raise ParallelxError("fsdp: this model is already sharded")
+        refuse_expert_layers(model, self.name)
         # Built under parallelx.init_module(): sharded on the meta device, then each tensor computed
         # whole, one at a time, and only this rank's slice kept (every rank computes the same values).
         meta = Values(model, "fsdp") if has_meta(model) else None
@@ -359,7 +383,15 @@ class FSDPStrategy(ProcessGroupStrategy):
         # The optimizer was built on the parameters fully_shard replaces: remember their names.
         self.renamed.update({id(p): (model, n) for n, p in model.named_parameters()})
         # The wire type is built in here: set_options(grad_compression=...) applies to models wrapped later.
-        policy = MixedPrecisionPolicy(reduce_dtype=self.run.options.wire_dtype)  # None: the gradients' dtype
+        # bf16-compute: FSDP2 gathers a bfloat16 copy of each unit; its gradients are cast back to float32
+        # before the reduce-scatter (unless --grad-compression asks otherwise) and the loss sees float32.
+        compute = self.run.options.compute_dtype
+        policy = MixedPrecisionPolicy(
+            param_dtype=compute,
+            reduce_dtype=self.run.options.wire_dtype or (torch.float32 if compute is not None else None),
+        )  # None: the gradients' dtype
+        # Only the root's outputs are cast back: a unit's float32 output would meet the next unit's bfloat16.
+        root_policy = dataclasses.replace(policy, output_dtype=torch.float32 if compute is not None else None)
         # fully_shard cannot split a scalar (CLIP's logit_scale): such parameters stay whole on every
         # rank, and their gradients are averaged by a hook of parallelx's, in the backward, as DDP would.
         scalars = {p for p in model.parameters() if p.dim() == 0}
@@ -369,8 +401,10 @@ class FSDPStrategy(ProcessGroupStrategy):
             sharded = fully_shard(
                 module,
                 mesh=self.mesh,
-                reshard_after_forward=self.reshard_after_forward,
-                mp_policy=policy,
+                # None is FSDP2's default: True for the units, False for the root, whose parameters the
+                # backward needs at once (an explicit True re-gathers the root in every backward).
+                reshard_after_forward=None if self.reshard_after_forward else False,
+                mp_policy=root_policy if module is model else policy,
                 offload_policy=CPUOffloadPolicy() if self.run.cpu_offload else OffloadPolicy(),
                 ignored_params=scalars or None,
             )

@@ -35,6 +35,9 @@ from parallelx.parts.precision import Precision
 from parallelx.strategy import BackendSpec, Joined, Strategy
 from parallelx.transforms.batchnorm import convert_batchnorm
 
+from ._compute_copy import compute_copy
+from ._moe import refuse_expert_layers
+
 T = TypeVar("T")
 #: Horovod's ``backward_passes_per_step``: more backward passes than any step takes.
 NEVER = 2**62
@@ -193,8 +196,11 @@ class HorovodStrategy(Strategy):
             self.hvd.shutdown()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        refuse_expert_layers(model, self.name)
         model = model.to(self.run.device)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # bf16-compute: a bfloat16 copy for the forward and backward; the float32 gradients are all-reduced.
+        compute_copy(model, lambda: self.run.options.compute_dtype, self.name, self.run.activation_checkpointing)
         self.wrapped.append(model)
         return model
 

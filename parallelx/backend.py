@@ -53,7 +53,7 @@ from parallelx.parts.collectives import Collectives
 from parallelx.parts.elastic import Elastic
 from parallelx.parts.gradsync import GradientSync
 from parallelx.parts.loop import LoopOptions, StepResult, TrainingLoop
-from parallelx.parts.precision import Precision
+from parallelx.parts.precision import FirstStepCheck, Precision
 from parallelx.parts.sampler import ShardedSampler
 from parallelx.parts.state import keep_rng_state
 from parallelx.parts.stateio import StateIO
@@ -196,6 +196,8 @@ class Backend:
         self._known_params: dict[int, weakref.ref[torch.Tensor]] = {}
         self._observers: list[Observer] = []
         self._virtual_ranks = 0
+        # A precision asked for and never entered is said once, after the first step (docs/loops.md, "Precision").
+        self._first_step = FirstStepCheck(spec.name, lambda: self.run.precision, run.models)
 
     # ------------------------------------------------------------------ info
     @property
@@ -390,7 +392,9 @@ class Backend:
         return self.loop
 
     def _make_precision(self) -> Precision:
-        return self.strategy.precision_class(self.run.options.precision, self.device if self.initialized else None)
+        made = self.strategy.precision_class(self.run.options.precision, self.device if self.initialized else None)
+        made.entered = self.run.precision.entered  # the script's autocast() before this part was made again
+        return made
 
     # --------------------------------------------------------- model set-up
     # Templates: a backend's own work runs with the random generators saved and
@@ -447,11 +451,16 @@ class Backend:
             )
         with keep_rng_state():
             wrapped = self.strategy.wrap_optimizer(optimizer)
+        # The parameters as given and as the wrapped optimizer holds them: fsdp moves an optimizer built
+        # before setup onto its sharded parameters, and a name-keyed state finds its model by either.
+        live = [p for group in wrapped.param_groups for p in group["params"]]
+        self.state_io.remember(wrapped, [*params, *live])
+        self._first_step.watch(wrapped)
         if self.world_size > 1:  # rank 0's buffers on every rank after each step (parallelx.transforms.buffers)
-            live = [p for group in wrapped.param_groups for p in group["params"]]
             self._buffer_sync.attach([*params, *live], wrapped)
         for observer in self._observers:
             wrapped = observer.wrapped_optimizer(wrapped)
+        self.state_io.remember(wrapped, [*params, *live])
         return wrapped
 
     def setup(
@@ -622,11 +631,13 @@ class Backend:
         return portable.load(path, weights_only=weights_only)
 
     def load_state_dict(self, target: nn.Module | Any, state: Mapping[str, Any]) -> None:
-        """Load a portable state dict into a (wrapped) model or optimizer."""
+        """Load a portable state dict into a (wrapped) model or optimizer.  An optimizer's state may be
+        keyed by position (``optimizer.state_dict()``) or by parameter name (torch's
+        ``get_optimizer_state_dict``, parallelx's ``state.pt``); every rank calls it."""
         if isinstance(target, nn.Module):
             self.state_io.load_model_state_dict(target, state)
         else:
-            self.state_io.load_optimizer_state_dict(target, state)
+            self.state_io.load_optimizer_state(target, state, self.run.models())
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full, unwrapped ``state_dict`` (plain names) as CPU tensors.  A

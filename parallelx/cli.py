@@ -12,7 +12,12 @@ the flags a launcher appends (the deepspeed launcher's ``--local_rank``).
 The script's own options win: an option string (or a dest) the parser already
 has is left to the script, ``from_args`` gives the backend parallelx's default
 for it and says so once; ``add_arguments(parser, prefix="px-")`` offers every
-option as ``--px-backend``, ``--px-device``, ... instead.  Every on/off flag
+option as ``--px-backend``, ``--px-device``, ... instead.  Two kinds are left
+to the script without a word: the flags a launcher appends (the deepspeed
+launcher's ``--local_rank``: parallelx reads the rank from the environment),
+and an option that means the same in the script's parser (:class:`SameInScripts`:
+DeepSpeed's ``add_config_arguments`` adds ``--deepspeed_config``), whose value
+the backend then takes.  Every on/off flag
 (``--compile``, ``--cpu-offload``, ...) also takes a value: ``--compile=True``,
 ``--cpu-offload=no``.
 """
@@ -116,6 +121,19 @@ def compile_value(text: str) -> bool | str:
         ) from None
 
 
+class SameInScripts(argparse.Action):
+    """``action=`` of a backend's option that a script's own parser may already have with the
+    same meaning (DeepSpeed's ``add_config_arguments`` adds ``--deepspeed_config``): the
+    option stores its value as ``store`` does, and where the script's parser already has its
+    dest, :func:`from_args` gives the backend the script's value instead of parallelx's
+    default, without a warning."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Any = None
+    ) -> None:
+        setattr(namespace, self.dest, values)
+
+
 class Layout(dict[str, Any]):
     """Where :func:`add_arguments` put each of parallelx's options:
     ``{"prefix": "px-", "options": {dest: {"as": dest in the namespace, or None
@@ -134,6 +152,10 @@ class Layout(dict[str, Any]):
     def skipped(self) -> dict[str, dict[str, Any]]:
         """parallelx's options left to the script, by parallelx's dest."""
         return {dest: o for dest, o in self.options.items() if o["as"] is None}
+
+    def skipped_unsaid(self) -> dict[str, dict[str, Any]]:
+        """The options left to the script that deserve a word: not the flags a launcher appends."""
+        return {dest: o for dest, o in self.skipped().items() if not o.get("hidden")}
 
     def __repr__(self) -> str:
         left = [o["flags"][0] for o in self.skipped().values()]
@@ -199,6 +221,12 @@ class Options:
         if existing is not None and existing["as"] is not None:
             return None  # added by an earlier call on this parser
         hidden = kwargs.get("help") is argparse.SUPPRESS
+        dests = {a.dest for a in self._parser._actions if a.dest != argparse.SUPPRESS}
+        if kwargs.get("action") is SameInScripts and dest in dests:
+            # The script's own option of this dest means the same (DeepSpeed's add_config_arguments):
+            # the backend reads the script's value, under any prefix.
+            self._layout[dest] = {"as": dest, "flags": list(flags), "default": default}
+            return None
         if self._prefix and not hidden:
             # A hidden option is one a launcher appends (deepspeed's --local_rank): it keeps its exact name.
             flags = tuple("--" + self._prefix + f.lstrip("-") for f in flags if long_flag(f))
@@ -206,10 +234,11 @@ class Options:
         else:
             as_dest = dest
         taken = [f for f in flags if f in self._parser._option_string_actions]
-        dest_taken = any(a.dest == as_dest for a in self._parser._actions if a.dest != argparse.SUPPRESS)
-        self._layout[dest] = {"as": None, "flags": list(flags), "default": default}
-        if taken or dest_taken or not flags:  # (no flags: short ones only, which take no prefix)
-            return None  # the script's own option wins; from_args gives the backend parallelx's default
+        self._layout[dest] = {"as": None, "flags": list(flags), "default": default, "hidden": hidden}
+        if taken or as_dest in dests or not flags:  # (no flags: short ones only, which take no prefix)
+            # The script's own option wins; from_args gives the backend parallelx's default (a launcher's
+            # flag, hidden, is read by nobody: the backend takes the rank from the environment).
+            return None
         self._layout[dest]["as"] = as_dest
         return cast(argparse.Action, self._container.add_argument(*flags, dest=as_dest, **kwargs))
 
@@ -304,8 +333,9 @@ def add_arguments(
         "--precision",
         choices=PRECISIONS,
         default=None,
-        help="32, bf16-mixed (autocast; CPU and GPU) or 16-mixed (autocast + loss scaling; GPUs) "
-        "(default: 32)" + NONE_IN_WORDS,
+        help="32, bf16-mixed (autocast; CPU and GPU), 16-mixed (autocast + loss scaling; GPUs) or "
+        "bf16-compute (a bfloat16 copy of the weights gathered and computed on; float32 weights, "
+        "gradients and update) (default: 32)" + NONE_IN_WORDS,
     )
     loop.add_argument(
         "--grad-compression",
@@ -438,7 +468,10 @@ def from_args(args: argparse.Namespace, *, prefix: str | None = None, **override
     included), with the options the parsed arguments give it; the parsed
     arguments are the run's hyperparameters for its trackers.  ``overrides``
     are constructor options that win over the arguments' (a script's own
-    choices); ``monitor={...}`` changes only the fields it names, e.g.
+    choices); one that only another backend takes (a ZeRO stage from the
+    script's own ``--stage``, on ddp) is ignored, as :func:`parallelx.get_backend`
+    does; ``monitor={...}``
+    changes only the fields it names, e.g.
     ``from_args(args, monitor={"throughput": True})`` for a progress bar's
     throughput without a ``--logger``.
 
@@ -481,7 +514,7 @@ def parallelx_args(args: argparse.Namespace, prefix: str | None = None) -> argpa
         )
     for dest, option in layout.options.items():
         values[dest] = option["default"] if option["as"] is None else getattr(args, option["as"], option["default"])
-    if skipped := layout.skipped():
+    if skipped := layout.skipped_unsaid():
         _warn_skipped(skipped)
     return _compile_mode(argparse.Namespace(**values))
 

@@ -11,6 +11,7 @@ group (``name = "pkg.module:Class"``) or at run time with :func:`register_backen
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 from parallelx.backend import Backend
 from parallelx.errors import BackendUnavailableError, UnknownBackendError
 from parallelx.launching.environments import detect_environment
+from parallelx.log import info, warn
 from parallelx.strategy import BackendSpec, Options, Strategy
 
 ENTRY_POINT_GROUP = "parallelx.backends"
@@ -115,6 +117,9 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
     launcher, ``dp`` when several GPUs are visible, else ``single``.
     ``options`` are :class:`~parallelx.strategy.Options` fields (e.g. ``timeout=60``,
     ``accumulate=4``) or the backend's own (a ZeRO stage, fsdp's units: see its module).
+    Another registered backend's own option is ignored here (a ZeRO stage on ``ddp``: a
+    script passes its choices whichever backend runs), and said once on rank 0; an option
+    that no registered backend takes is refused, with the valid ones.
     """
     if name == "auto":
         name = detect_backend()
@@ -124,11 +129,87 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
     common = {k: v for k, v in options.items() if k in Options.fields()}
     own = {k: v for k, v in options.items() if k not in common}
+    accepted = own_options(cls)
+    if accepted is not None and (foreign := {k: v for k, v in own.items() if k not in accepted}):
+        owners = option_owners()
+        unknown = [k for k in foreign if k not in owners]
+        if unknown:
+            valid = sorted(Options.fields() | accepted)
+            raise UnknownBackendError(
+                f"backend {name!r} does not accept {', '.join(repr(k) for k in unknown)}, and no registered "
+                f"backend does; its options are: {', '.join(valid)}; the other backends' own: "
+                f"{', '.join(sorted(owners))}"
+            )
+        # A script passes its own choice (a ZeRO stage) on whichever backend runs: the backends it
+        # does not concern ignore it, as they ignore that backend's command-line options.
+        _note_ignored(name, {k: owners[k] for k in foreign})
+        _warn_math(name, foreign, owners)
+        own = {k: v for k, v in own.items() if k in accepted}
     try:
         strategy = cls(**own)
     except TypeError as exc:
         raise UnknownBackendError(f"backend {name!r} does not accept these options: {exc}") from None
     return Backend(strategy, Options(**common))
+
+
+def own_options(cls: type[Strategy]) -> frozenset[str] | None:
+    """The keyword options ``cls``'s constructor takes (None: any, it has ``**kwargs``)."""
+    if cls.__init__ is object.__init__:
+        return frozenset()
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Each registered backend's own constructor option, with the backends that take it."""
+    owners: dict[str, list[str]] = {}
+    for name in _table():
+        try:
+            accepted = own_options(backend_class(name))
+        except (ImportError, UnknownBackendError):  # a broken third-party backend names nothing
+            continue
+        for option in sorted(accepted or ()):
+            owners.setdefault(option, []).append(name)
+    return owners
+
+
+_noted: set[str] = set()
+
+
+def _note_ignored(name: str, ignored: Mapping[str, list[str]]) -> None:
+    """One line, once per process, on rank 0 only: which options this backend leaves to others."""
+    msg = "; ".join(f"{k} is {', '.join(owners)}'s" for k, owners in ignored.items())
+    msg = f"parallelx: {name} ignores options of other backends ({msg})"
+    if msg in _noted:
+        return
+    _noted.add(msg)
+    if _launcher_rank() == 0:
+        info(msg)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as its launcher set it (before init(), which parallelx's log needs)."""
+    try:
+        return detect_environment().world().rank
+    except Exception:  # a half-set launcher environment: init() says what is wrong, not this line
+        return 0
+
+
+def _warn_math(name: str, foreign: Mapping[str, Any], owners: Mapping[str, list[str]]) -> None:
+    """A warning where an option this backend ignores would have changed the update on the backend
+    that takes it (a DeepSpeed config's gradient_clipping): the same command must not clip on one
+    backend and not on another without a word."""
+    said: list[str] = []
+    for owner in sorted({o for k in foreign for o in owners[k]}):
+        mine = {k: v for k, v in foreign.items() if owner in owners[k]}
+        try:
+            said += [s for s in backend_class(owner).ignored_elsewhere(mine) if s not in said]
+        except ImportError:
+            continue
+    if said and _launcher_rank() == 0:
+        warn(f"{name} ignores {'; '.join(said)}")
 
 
 def markdown_table(module: str = "recipes.dogcat") -> str:

@@ -270,6 +270,13 @@ class Strategy(abc.ABC):
         return common_options(args)
 
     @classmethod
+    def ignored_elsewhere(cls, options: Mapping[str, Any]) -> list[str]:
+        """What running without ``options`` (this backend's own, passed to another backend, which
+        ignores them) changes in the update, each with the option that asks every backend for it
+        (said as a warning by :func:`parallelx.get_backend`).  This default: nothing."""
+        return []
+
+    @classmethod
     def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
         """What each rank would hold training ``model`` under this backend (``python -m parallelx
         estimate``), one row per variant (DeepSpeed: each ZeRO stage), built with
@@ -321,7 +328,10 @@ class Strategy(abc.ABC):
         """Move ``model`` to the device and wrap it; the facade applied activation checkpointing first."""
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Wrap an optimizer built on the parameters of a model already wrapped."""
+        """Wrap an optimizer built on the parameters of a model already wrapped.  Its ``step()``
+        runs torch's step pre-hooks once the gradients are the averaged ones the update uses (a
+        backend that averages inside ``step`` runs them after that): ``python -m parallelx check``
+        reads the gradients there."""
         return optimizer
 
     def parameter_shards(self, model: nn.Module) -> ParameterShards:

@@ -63,7 +63,7 @@ OPTIMIZERS: dict[str, int] = {
     "rmsprop": 1,
 }
 #: parallelx's precisions (``Options.precision``).
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-compute")
 MiB = 2**20
 GiB = 2**30
 

@@ -85,7 +85,7 @@ PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
 )
 
 #: The compute type of each ``precision`` (parallelx.parts.loop.PRECISIONS).
-_COMPUTE = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+_COMPUTE = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-compute": "bf16"}
 
 
 def _float32_compute() -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelx.parts.collectives import Collectives
 from parallelx.parts.precision import Precision
 
 #: The user's modules a backend set up (unwrapped), in the order they were wrapped.
@@ -92,6 +93,16 @@ def owner_names(params: Iterable[torch.Tensor], models: Iterable[nn.Module]) -> 
     wanted = {id(p) for p in params}
     owners = [m for m in models if any(id(p) in wanted for p in m.parameters())]
     return parameter_names(owners)
+
+
+def summed_per_parameter(comm: Collectives, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of one entry per parameter (a gradient norm's squares), in a new tensor.
+    Every rank passes the same shape by construction, so without ``Collectives.all_reduce``'s agreement
+    on shapes, which would add an all-reduce and a host read of every rank's row to each step."""
+    out = tensor.detach().to(comm.comm_device(tensor), copy=True)
+    with comm.watch("all_reduce"):
+        out = comm.reduce_(out, "sum")
+    return out.to(tensor.device)
 
 
 class GradientSync:

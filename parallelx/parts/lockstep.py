@@ -19,12 +19,17 @@ beside the all-gathers that forward does anyway.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 
 import torch
 import torch.distributed as dist
 
 from parallelx.errors import ParallelxError
 from parallelx.forensics import record
+
+#: ``$PARALLELX_FORWARD_LOCKSTEP=0`` leaves the check out: one all-reduce of 4 integers less per forward
+#: (docs/benchmarks.md measures it); a rank-0-only forward then hangs until the timeout instead.
+ENABLED = os.environ.get("PARALLELX_FORWARD_LOCKSTEP", "1") != "0"
 
 #: How each mode is told apart in the exchange.
 _MODES = {(True, True): 1, (True, False): 2, (False, True): 3, (False, False): 4}
@@ -34,6 +39,20 @@ _NAMES = {
     3: "evaluation mode (model.eval()) with gradients",
     4: "evaluation mode (model.eval(), torch.no_grad())",
 }
+
+
+def side_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """A Gloo group of every rank for parallelx's own agreements before a collective
+    (:meth:`parallelx.parts.collectives.Collectives.agree_`), apart from the group that the
+    engines' collectives use: one rank's agreement then never pairs with another rank's gradient
+    reduction (DDP's buckets inside ``backward``), it waits for the others as any collective does,
+    and the verdict names both calls.  Every rank must call it at the same point (it makes a
+    process group); None in a world of one process or without Gloo."""
+    if not dist.is_initialized() or dist.get_world_size() <= 1 or not dist.is_gloo_available():
+        return None
+    group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is in it
+    return group
 
 
 def fix(who: str) -> str:
@@ -63,6 +82,8 @@ class ForwardLockstep:
 
     def check(self, training: bool) -> None:
         """Raise on every rank when the ranks are about to run different forwards."""
+        if not ENABLED:
+            return
         self.count += 1
         mode = _MODES[(bool(training), torch.is_grad_enabled())]
         mine = torch.tensor([self.count, mode], dtype=torch.int64)
@@ -70,7 +91,8 @@ class ForwardLockstep:
         both = torch.cat([mine, -mine])
         with record.call("forward", _NAMES[mode], group="lockstep"):
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        (high_count, high_mode), (low_count, low_mode) = both[:2].tolist(), (-both[2:]).tolist()
+        high_count, high_mode, low_count, low_mode = both.tolist()  # one read of the result
+        low_count, low_mode = -low_count, -low_mode
         if high_count == low_count and high_mode == low_mode:
             return
         if high_mode != low_mode:

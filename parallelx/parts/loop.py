@@ -40,7 +40,7 @@ from parallelx.parts.precision import Precision
 
 T = TypeVar("T")
 
-PRECISIONS: tuple[str, ...] = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS: tuple[str, ...] = ("32", "bf16-mixed", "16-mixed", "bf16-compute")
 COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16")
 
 
@@ -53,7 +53,9 @@ class LoopOptions:
     #: Clip the averaged gradients to this global 2-norm (None: no clipping).
     clip_grad_norm: float | None = None
     #: ``32``; ``bf16-mixed`` (autocast to bfloat16, CPU and GPU);
-    #: ``16-mixed`` (autocast to float16 with loss scaling, GPUs only).
+    #: ``16-mixed`` (autocast to float16 with loss scaling, GPUs only); ``bf16-compute`` (the
+    #: engine gathers and computes on a bfloat16 copy of the weights; float32 weights, update
+    #: and gradient averaging: docs/loops.md, "Precision").
     precision: str = "32"
     #: Data type of the gradients on the wire: ``none`` (as computed), ``fp16``, ``bf16``.
     grad_compression: str = "none"
@@ -77,6 +79,12 @@ class LoopOptions:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.precision)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The type the backend's engine casts the weights to for the forward and the backward
+        (``bf16-compute``); None where the weights stay as they are."""
+        return torch.bfloat16 if self.precision == "bf16-compute" else None
 
     @property
     def wire_dtype(self) -> torch.dtype | None:

@@ -8,6 +8,7 @@ the backends' own state code can all use them without import circles.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -155,14 +156,120 @@ def named_from_indexed(plain: Mapping[str, Any], groups: Sequence[Sequence[str]]
     }
 
 
+def is_named_optimizer_state(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` keys its parameters by name (``torch.distributed.checkpoint.state_dict.
+    get_optimizer_state_dict``'s form, and parallelx's own ``state.pt``) rather than by the positions
+    ``torch.optim`` uses.  A state that mixes the two, or torch's flattened form, is a
+    :class:`ParallelxError`: nothing would load it right."""
+    if not isinstance(state, Mapping):
+        return False
+    if "param_groups" not in state or "state" not in state:
+        flat = [k for k in state if isinstance(k, str) and k.startswith(("state.", "param_groups."))]
+        if flat:
+            raise ParallelxError(
+                f"this optimizer state is torch's flattened form (keys such as {flat[0]!r}); save it with "
+                "get_optimizer_state_dict(model, optimizer, options=StateDictOptions("
+                "flatten_optimizer_state_dict=False)), whose 'state' and 'param_groups' load on every backend"
+            )
+        return False  # the optimizer's own load_state_dict says what is missing
+    keys = [*state["state"], *(p for g in state["param_groups"] for p in g.get("params", ()))]
+    named = [k for k in keys if isinstance(k, str)]
+    if named and len(named) != len(keys):
+        position = next(k for k in keys if not isinstance(k, str))
+        raise ParallelxError(
+            f"the optimizer state keys some parameters by name ({named[0]!r}) and others by position "
+            f"({position!r}); key all of them one way (torch's get_optimizer_state_dict names every one)"
+        )
+    return bool(named)
+
+
+def named_state_for(
+    named: Mapping[str, Any],
+    names: Sequence[str],
+    aliases: Mapping[str, str],
+    shapes: Mapping[str, Sequence[int]],
+    model: str = "the model",
+) -> dict[str, Any]:
+    """``named`` (optimizer state keyed by parameter name) keyed by ``names``, the model's own
+    parameter names (``named_parameters()`` order, a tied parameter once, under its first name,
+    as torch's ``get_optimizer_state_dict`` keys it); ``aliases`` maps a tied parameter's other
+    names to that one.  A name the model does not have, an entry no group lists, a name listed
+    twice and a tensor whose shape is not its parameter's (``shapes``, whole) are a
+    :class:`ParallelxError` naming the key, so that nothing loads into the wrong parameter.
+    Other top-level entries (a backend's own counters) pass through."""
+    known = set(names)
+
+    def canonical(key: str, where: str) -> str:
+        for candidate in (key, _without_wrappers(key)):
+            if candidate in known:
+                return candidate
+            if candidate in aliases:
+                return aliases[candidate]
+        close = difflib.get_close_matches(key, names, n=3)
+        raise ParallelxError(
+            f"the optimizer state (its {where}) names parameter {key!r}, which {model} does not have"
+            + (f" (close: {', '.join(map(repr, close))})" if close else f" (it has {len(names)}: {list(names)[:4]}...)")
+            + "; the state is of another model, or keyed by another module's names: torch's "
+            "get_optimizer_state_dict(model, optimizer) keys it by model.named_parameters()"
+        )
+
+    groups: list[dict[str, Any]] = []
+    listed: dict[str, str] = {}
+    for i, group in enumerate(named["param_groups"]):
+        params = []
+        for key in group["params"]:
+            name = canonical(key, f"param_groups[{i}]")
+            if name in listed:
+                raise ParallelxError(
+                    f"the optimizer state's param_groups list {listed[name]!r} and {key!r}, one parameter of "
+                    f"{model} ({name!r}, tied weights are one parameter); list it once, under {name!r}"
+                )
+            listed[name] = key
+            params.append(name)
+        groups.append({**group, "params": params})
+    state: dict[str, Any] = {}
+    for key, entry in named["state"].items():
+        name = canonical(key, "'state'")
+        if name not in listed:
+            raise ParallelxError(
+                f"the optimizer state holds an entry for {key!r}, which none of its param_groups lists; "
+                "the state is not whole (save every group with the state)"
+            )
+        if name in state:
+            raise ParallelxError(
+                f"the optimizer state holds two entries for parameter {name!r} of {model} (tied weights are "
+                "one parameter); keep one"
+            )
+        want = tuple(shapes[name])
+        for k, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != want:
+                raise ParallelxError(
+                    f"the optimizer state's {k!r} of {key!r} has shape {tuple(value.shape)}, the parameter "
+                    f"{want}; the state is of another model"
+                )
+        state[name] = entry
+    return {**named, "state": state, "param_groups": groups}
+
+
+#: Module names torch's wrappers put into parameter names (torch.compile's, activation checkpointing's).
+_WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def _without_wrappers(key: str) -> str:
+    parts = [part for part in key.split(".") if part not in _WRAPPER_SEGMENTS]
+    if parts and parts[0] == "module":  # a DDP (or DataParallel) wrapper's own parameter names
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 def check_named_groups(named: Mapping[str, Any], live: Sequence[Sequence[str]], *, names_only: bool = True) -> None:
     """A one-line error when the saved param groups do not hold the same
     parameters (by name, or only by count) as the live optimizer's."""
     saved = [list(g["params"]) for g in named["param_groups"]]
     if len(saved) != len(live):
         raise ParallelxError(
-            f"the saved optimizer state has {len(saved)} parameter group(s), this optimizer "
-            f"{len(live)}; build the optimizer as the run that saved it did"
+            f"the saved optimizer state has {len(saved)} parameter group(s) ({_groups_in_short(saved)}), this "
+            f"optimizer {len(live)} ({_groups_in_short(live)}); build the optimizer as the run that saved it did"
         )
     for i, (s, here) in enumerate(zip(saved, live)):
         if (set(s) != set(here)) if names_only else (len(s) != len(here)):
@@ -174,6 +281,11 @@ def check_named_groups(named: Mapping[str, Any], live: Sequence[Sequence[str]], 
                 + (f" (not saved: {missing}, not here: {extra})" if names_only else "")
                 + "; the checkpoint is of another model or optimizer set-up"
             )
+
+
+def _groups_in_short(groups: Sequence[Sequence[Any]]) -> str:
+    """Each group's first parameters, e.g. ``['emb.weight', 'mid.bias', ...] | ['mid.weight']``."""
+    return " | ".join(repr(list(g[:2])).replace("]", ", ...]" if len(g) > 2 else "]") for g in groups)
 
 
 def _names_in_order(param_groups: Sequence[Mapping[str, Any]], names: Mapping[int, str]) -> list[str]:

@@ -15,13 +15,15 @@ any backend, compiled or not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
 from parallelx.parts.state import to_cpu
 
@@ -61,6 +63,66 @@ class StateIO:
     def __init__(self, unwrap: Unwrap) -> None:
         #: The user's module inside the backend's wrappers.
         self.unwrap = unwrap
+        # The parameters each set-up optimizer was built on (a backend may swap its groups' own, as
+        # ZeRO does for its flat partitions): how a state keyed by name finds the model it names.
+        self._built_on: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+    def remember(self, optimizer: Any, params: Iterable[torch.Tensor]) -> None:
+        """``optimizer`` (as set up, and as returned to the script) was built on ``params``."""
+        try:
+            self._built_on[optimizer] = frozenset(id(p) for p in params)
+        except TypeError:  # a wrapper that cannot be weakly referenced: its groups say it at load time
+            pass
+
+    def load_optimizer_state(self, optimizer: Any, state: Mapping[str, Any], models: Sequence[nn.Module]) -> None:
+        """Load an optimizer state keyed by position (``optimizer.state_dict()``,
+        :meth:`optimizer_state_dict`) or by parameter name (``torch.distributed.checkpoint.state_dict.
+        get_optimizer_state_dict``, parallelx's ``state.pt``), on any backend.  A state by name is
+        checked against the model the optimizer trains (one of ``models``) on every rank alike, then
+        loaded by name; what cannot load is a :class:`ParallelxError` naming the key."""
+        if not pure.is_named_optimizer_state(state):
+            self.load_optimizer_state_dict(optimizer, state)
+            return
+        model = self._trained_model(optimizer, models)
+        module = self.unwrap(model)
+        names: list[str] = []
+        aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            name = plain_key(name)
+            if id(p) in first:
+                aliases[name] = first[id(p)]  # a tied weight's later names (torch keys it by the first)
+            else:
+                first[id(p)] = name
+                names.append(name)
+        named = pure.named_state_for(state, names, aliases, self.parameter_shapes(module))
+        self.load_named_optimizer_state(model, optimizer, named)
+
+    def parameter_shapes(self, module: nn.Module) -> dict[str, tuple[int, ...]]:
+        """Each parameter's whole shape (:meth:`whole_shape`) by plain name."""
+        return {plain_key(n): self.whole_shape(p) for n, p in module.named_parameters()}
+
+    def whole_shape(self, param: torch.Tensor) -> tuple[int, ...]:
+        """A parameter's whole shape; a backend whose parameter tensors are this rank's partition,
+        and do not say the whole shape themselves, gives its own."""
+        return tuple(param.shape)
+
+    def _trained_model(self, optimizer: Any, models: Sequence[nn.Module]) -> nn.Module:
+        built_on = self._built_on.get(optimizer)
+        if built_on is None:
+            built_on = frozenset(id(p) for g in optimizer.param_groups for p in g["params"])
+        owners = [m for m in models if any(id(p) in built_on for p in self.unwrap(m).parameters())]
+        if len(owners) == 1:
+            return owners[0]
+        raise ParallelxError(
+            "an optimizer state keyed by parameter name needs the model whose names it holds; "
+            + (
+                f"{len(owners)} of the models set up hold this optimizer's parameters"
+                if owners
+                else "this optimizer trains no model set up by this backend"
+            )
+            + ": write `backend.load_named_optimizer_state(model, optimizer, state)`"
+        )
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full, unwrapped ``state_dict`` with plain names, as CPU tensors.

@@ -1,6 +1,7 @@
 """One launch, every launcher-tier check that needs only a backend: the
 protocol (``dist_worker``), gathering and BatchNorm (``gather_worker``),
-training-state checkpoints (``trainstate_worker``), a GPT as users train one
+training-state checkpoints (``trainstate_worker``), optimizer state loaded by name
+(``optstate_worker``), a GPT as users train one
 (``transformer_worker``) and the training-loop options (``loop_worker``), one after the other on the same backend, so each
 backend case costs one launch instead of four.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import dist_worker
 import gather_worker
 import loop_worker
+import optstate_worker
 import trainstate_worker
 import transformer_worker
 
@@ -31,6 +33,7 @@ SECTIONS = {
     "dist": dist_worker,
     "gather": gather_worker,
     "trainstate": trainstate_worker,
+    "optstate": optstate_worker,
     "transformer": transformer_worker,
     "loops": loop_worker,
 }

@@ -211,3 +211,103 @@ def test_compiled_random_operators_draw_eagers_numbers_unless_told(built, argv, 
     assert inductor["fallback_random"] is eager_random
     if mode == "max-autotune":  # the mode travels as the options it stands for
         assert inductor["max_autotune"] is True
+
+
+# ------------------------------------------------------------- DeepSpeed's spellings
+def deepspeed_parser(*, own_config_arguments: bool) -> argparse.ArgumentParser:
+    """A script in DeepSpeed's tutorial style: its own --local_rank and --stage, and (as every DeepSpeed
+    example) DeepSpeed's own add_config_arguments before parallelx's options."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
+    parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
+    if own_config_arguments:
+        deepspeed = pytest.importorskip("deepspeed")
+        deepspeed.add_config_arguments(parser)
+    return parallelx.add_arguments(parser, "single")
+
+
+@pytest.mark.parametrize(
+    ("own", "flag"),
+    [(False, "--deepspeed_config"), (False, "--deepspeed-config"), (True, "--deepspeed_config")],
+    ids=["underscore", "dash", "add_config_arguments"],
+)
+def test_deepspeeds_launch_line_parses_and_names_the_config(built, capsys, tmp_path, own, flag):
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 1}}')
+    parser = deepspeed_parser(own_config_arguments=own)
+    # The tutorial's launch line: `deepspeed train.py --deepspeed --deepspeed_config ds.json`, and the launcher's
+    # --local_rank=N appended.  --deepspeed is not read as an abbreviation of --deepspeed-config.
+    args = parser.parse_args(["--deepspeed", flag, str(config), "--local_rank=1", "--stage", "2"])
+    assert args.deepspeed is True and args.local_rank == 1 and args.stage == 2
+    assert cli.parallelx_args(args).deepspeed_config == str(config)  # the script's args.deepspeed_config
+    capsys.readouterr()
+    options = parallelx.backend_class("deepspeed").options_from_args(cli.parallelx_args(args))
+    assert options["config"] == str(config)
+    backend = parallelx.get_backend("deepspeed", config=options["config"])
+    assert backend.strategy.config["zero_optimization"]["stage"] == 1
+    # The script's own --local_rank (a launcher's value; parallelx reads the rank from the environment) and
+    # DeepSpeed's own options are fine: no advice about defaults or --px- options.
+    parallelx.from_args(args)
+    err = capsys.readouterr().err
+    assert "warning" not in err and "--px-local_rank" not in err
+
+
+def test_deepspeed_alone_is_a_flag_not_an_abbreviation():
+    parser = parallelx.add_arguments(argparse.ArgumentParser(), "single")
+    args = parser.parse_args(["--deepspeed"])
+    assert args.deepspeed is True and args.deepspeed_config is None
+    # Under a prefix DeepSpeed's spellings keep their names (a launch line passes them as they are).
+    prefixed = parallelx.add_arguments(argparse.ArgumentParser(), "single", prefix="px-")
+    args = prefixed.parse_args(["--deepspeed", "--px-deepspeed_config", "a.json", "--local_rank=0"])
+    assert args.deepspeed is True and args.px_deepspeed_config == "a.json" and args.local_rank == 0
+
+
+def test_a_scripts_own_local_rank_gets_no_false_advice(built, capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--timeout", default="1h")  # still said: parallelx's --timeout is left to the script
+    parallelx.add_arguments(parser, "single")
+    parallelx.from_args(parser.parse_args(["--local_rank", "0"]))
+    err = capsys.readouterr().err
+    assert "the script's own --timeout is the script's" in err
+    assert "local_rank" not in err
+
+
+# ------------------------------------------------------- a script's own options, portably
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
+def test_another_backends_option_is_ignored_and_said_once(capsys, name):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, default=2)
+    parallelx.add_arguments(parser, name)
+    args = parser.parse_args([])
+    backend = parallelx.from_args(args, zero_stage=args.stage)  # the tutorial's own --stage, on every backend
+    assert backend.name == name
+    out = capsys.readouterr().out
+    assert f"parallelx: {name} ignores options of other backends (zero_stage is deepspeed's)" in out
+    parallelx.get_backend(name, zero_stage=args.stage)
+    assert "ignores" not in capsys.readouterr().out  # once per process
+    # On the backend it concerns it is that backend's option.
+    assert parallelx.get_backend("deepspeed", zero_stage=2).strategy.zero_stage == 2
+
+
+def test_an_option_no_backend_takes_is_still_refused():
+    with pytest.raises(parallelx.UnknownBackendError, match=r"does not accept 'zero_stag', and no registered backend"):
+        parallelx.get_backend("ddp", zero_stag=2)
+    with pytest.raises(parallelx.UnknownBackendError, match="zero_stage") as err:
+        parallelx.from_args(argparse.Namespace(backend="single"), stage=2)
+    assert "its options are: accumulate" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_a_deepspeed_config_ignored_elsewhere_names_what_it_would_have_changed(capsys, name):
+    """deepspeed adopts a config's gradient_clipping as --clip-grad-norm: the same script on another
+    backend, which ignores the config, must not stop clipping without a word."""
+    config = {"gradient_clipping": 1.0, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}
+    parallelx.get_backend(name, config=config)
+    err = capsys.readouterr().err
+    assert f"parallelx: warning: {name} ignores the DeepSpeed config's gradient_clipping=1.0" in err
+    assert "clip_grad_norm=1.0 (--clip-grad-norm 1.0)" in err
+    assert "accumulate=2 (--accumulate 2)" in err and "precision='bf16-mixed'" in err
+    # A config that changes nothing of the loop is ignored as any other backend's option is.
+    parallelx.get_backend(name, config={"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0})
+    assert "warning" not in capsys.readouterr().err

@@ -86,7 +86,7 @@ def test_backend_options_are_validated():
     with pytest.raises(ParallelxError, match="timeout must be a finite number of seconds > 0"):
         parallelx.get_backend("single", timeout=0)
     with pytest.raises(UnknownBackendError, match="does not accept"):
-        parallelx.get_backend("single", zero_stage=2)
+        parallelx.get_backend("single", zero_stag=2)  # no backend takes it (zero_stage is deepspeed's: ignored)
     with pytest.raises(ParallelxError, match="zero_stage must be 0, 1, 2 or 3"):
         parallelx.get_backend("deepspeed", zero_stage=4)
     b = parallelx.get_backend("single")
