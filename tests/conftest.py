@@ -45,6 +45,7 @@ _SHARED = {
     "test_trainstate_launch.py": "core",
     "test_gather_launch.py": "core",
     "test_transformers.py": "core",
+    "test_state_by_name_launch.py": "core",
     "test_slurm.py": "engines",
     "test_ray.py": "engines",
 }

@@ -6,7 +6,7 @@ gathered weights of a block, the loss) and those the optimizer steps.
 
     torchrun --nproc-per-node 2 tests/support/compute_dtype_worker.py --backend ddp --out DIR [--precisions 32,bf16-compute]
 
-``tests/launcher/test_compute_dtype.py`` compares the weights with one process's (``reference``).
+``tests/launcher/test_compute_dtype_launch.py`` compares the weights with one process's (``reference``).
 """
 
 from __future__ import annotations
