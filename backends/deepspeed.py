@@ -75,7 +75,7 @@ from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec, Joined, unwrap
 
 from . import _deepspeed_zero as zero_state
-from ._allocator import return_freed_memory
+from ._allocator import after_first_step, return_freed_memory
 from ._deepspeed_config import (  # noqa: F401
     PLAIN_MATH,
     adopt_config,
@@ -423,6 +423,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         # Taken before ZeRO swaps the groups' parameters for its flat partitions.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if self.zero_stage == 3:
+            after_first_step(optimizer)  # the allocator's steady threshold (_allocator)
             owner.defer(optimizer)  # built by the first call that needs the engine (DeepSpeedModel)
         else:
             owner.build_now(optimizer)

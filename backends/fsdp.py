@@ -81,7 +81,7 @@ from parallelx.transforms.compiling import compile_in_place
 from parallelx.transforms.units import UnitPolicy, parse_names, select_units
 from parallelx.utils import lazy_module
 
-from ._allocator import return_freed_memory
+from ._allocator import after_first_step, return_freed_memory
 from ._moe import refuse_expert_layers
 from ._shards import DTensorShards
 from .ddp import TORCHRUN
@@ -460,4 +460,5 @@ class FSDPStrategy(ProcessGroupStrategy):
                     k: fsdp_state.like(v, p) if torch.is_tensor(v) and v.dim() else v
                     for k, v in optimizer.state.pop(old).items()
                 }
+        after_first_step(optimizer)  # the allocator's steady threshold (_allocator)
         return optimizer
