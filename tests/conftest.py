@@ -32,6 +32,19 @@ def _no_env_leak():
     assert not leaked, f"test leaked environment variables: {leaked}"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_log():
+    """parallelx says a warning once per process, on rank 0 only (parallelx.log), and
+    the backends a test builds set that rank: a test that played rank 1, or said a
+    message first, would silence the next test's expected line on the same worker.
+    Each test starts as a fresh process would."""
+    from parallelx import log, registry
+
+    log.set_rank(None)
+    log._seen.clear()
+    registry._noted.clear()
+
+
 # ------------------------------------------------------------ parallel runs
 # `make test` runs the suite on two pytest-xdist workers (`-n 2`): about a third
 # of a serial run is spent waiting (timeouts, restarts, sleeps between faults,

@@ -4,14 +4,17 @@ across ranks) over the smallest possible collectives, with no launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from parallelx.backend import Backend
+from parallelx.forensics.exchange import ENABLE_ENV
 from parallelx.launching.environments import detect_environment
 from parallelx.parts.collectives import Collectives
 from parallelx.strategy import BackendSpec, Joined, Options, Strategy
@@ -71,12 +74,28 @@ class ThreadStrategy(Strategy):
 
 
 def ThreadBackend(meeting: Meeting, rank: int, **options: Any) -> Backend:
-    """The facade over a :class:`ThreadStrategy`: rank ``rank`` of ``meeting``'s world."""
+    """The facade over a :class:`ThreadStrategy`: rank ``rank`` of ``meeting``'s world.
+    Initialise it inside :func:`no_forensics`."""
     return Backend(ThreadStrategy(meeting, rank), Options(device="cpu", verbose=False, environment=THREADS, **options))
 
 
 #: No launcher: the ranks are this process's threads.
 THREADS = detect_environment({}, [])
+
+
+@contextlib.contextmanager
+def no_forensics() -> Iterator[None]:
+    """The hang forensics is one per process (parallelx.forensics): thread-ranks
+    would each start a store of their own and leave all but the last running."""
+    before = os.environ.get(ENABLE_ENV)
+    os.environ[ENABLE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENABLE_ENV, None)
+        else:
+            os.environ[ENABLE_ENV] = before
 
 
 def in_threads(world: int, body: Callable[[Backend], Any]) -> list[Any]:
@@ -86,16 +105,20 @@ def in_threads(world: int, body: Callable[[Backend], Any]) -> list[Any]:
 
     def run(rank: int) -> None:
         try:
-            results[rank] = body(ThreadBackend(meeting, rank).init())
+            # Closed as a script's `with` closes it: a backend left open kept its
+            # rank in parallelx.log and its atexit hook, and silenced the next test.
+            with ThreadBackend(meeting, rank) as backend:
+                results[rank] = body(backend)
         except BaseException as exc:  # handed to the test below
             results[rank] = exc
             meeting.barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    with no_forensics():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, threading.BrokenBarrierError):
             raise r
