@@ -135,7 +135,7 @@ def grad_norm(
     *,
     exact: bool,
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
-    replicas: int = 1,
+    replicas: int | Sequence[int] = 1,
 ) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient as ``torch.nn.utils.get_total_norm``
     takes it on one process (each parameter's norm, then the norm of those), the
@@ -154,7 +154,9 @@ def grad_norm(
     sharded = torch.tensor([isinstance(g, DTensor) for g in grads], device=squares.device)
     # A replicated (not sharded) gradient is whole on every rank: count it once.  Under HSDP each
     # of the ``replicas`` groups holds every shard (the same values once synchronised): once too.
-    summed = torch.where(sharded, all_reduce(squares) / replicas, squares)
+    # ``replicas``: how many ranks hold each slice (one count, or one per parameter under tensor parallelism).
+    copies = torch.as_tensor(replicas, dtype=torch.float64, device=squares.device)
+    summed = torch.where(sharded, all_reduce(squares) / copies, squares)
     return torch.linalg.vector_norm(summed.sqrt().to(grads[0].dtype), 2.0)
 
 

@@ -67,6 +67,7 @@ class DDPStrategy(ProcessGroupStrategy):
         ),
         # Every environment that gives a torch.distributed rendezvous, and none (a world of one).
         environments=("ray", "torchrun", "deepspeed", "slurm", "env", "local"),
+        tensor_parallel=True,
     )
 
     def __init__(self) -> None:
@@ -99,15 +100,20 @@ class DDPStrategy(ProcessGroupStrategy):
         if not any(p.requires_grad for p in model.parameters()):
             # A frozen model (a teacher, a reference network) has no gradient to average, and DDP refuses it
             # ("DistributedDataParallel is not needed ..."): rank 0's weights and buffers, as DDP would broadcast.
+            mesh = self.run.mesh
+            group = mesh.dp_group if mesh is not None and mesh.tensor_parallel else None  # each keeps its slices
             if self.run.world.world_size > 1:
                 for tensor in model.state_dict().values():
-                    dist.broadcast(tensor.data, src=0)
+                    dist.broadcast(tensor.data, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
             return model
         # bf16-compute: the forward and backward on a bfloat16 copy; DDP averages the float32 gradients.
         compute_copy(model, lambda: self.run.options.compute_dtype, self.name, self.run.activation_checkpointing)
         # DDP broadcasts rank 0's parameters and buffers at construction.
         ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids)
+        # Under --tensor-parallel: over the data-parallel ranks only (each holds its slices of the split layers).
+        wrapped = DistributedDataParallel(
+            model, device_ids=ids, process_group=self.run.mesh.dp_group if self.run.mesh else None
+        )
         # Gradients cast to the wire type, divided by the world size, summed, cast back.
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
             self.run.options.grad_compression

@@ -71,11 +71,12 @@ from parallelx.parts.gradsync import (
 )
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.loop import LoopOptions
+from parallelx.parts.mesh import Mesh, check_degree
 from parallelx.parts.precision import Precision
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.state import named_from_indexed
 from parallelx.parts.stateio import StateIO, Unwrap
-from parallelx.strategies.process_group import ProcessGroupStrategy
+from parallelx.strategies.process_group import ProcessGroupStrategy, grid
 from parallelx.strategy import BackendSpec, Joined, unwrap
 from parallelx.transforms.compiling import compile_in_place
 from parallelx.transforms.units import UnitPolicy, parse_names, select_units
@@ -145,11 +146,15 @@ class FSDPSync(GradientSync):
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor | None:
         # When it clips the norm scales the update: each parameter's whole gradient norm, as torch's to the bit.
         params = model_order(optimizer_params(optimizer), self.models())
+        tp = self.tensor_parallel
+        # Under tensor parallelism a split gradient's slices are counted once over the world, a whole
+        # one's once per tensor-parallel rank too; the exact per-parameter norms would gather each whole.
+        copies = self.replicas if tp is None else [self.replicas * (1 if tp.is_split(p) else tp.size) for p in params]
         norm = fsdp_state.grad_norm(
             params,
-            exact=max_norm is not None,
+            exact=max_norm is not None and tp is None,
             all_reduce=lambda t: summed_per_parameter(self.comm, t),
-            replicas=self.replicas,
+            replicas=copies,
         )
         if max_norm is not None:
             fsdp_state.clip_(params, max_norm, norm)
@@ -218,6 +223,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         name="fsdp",
         summary="`fully_shard` (FSDP2): parameters, gradients and optimizer state sharded; NCCL on GPUs, Gloo on the CPU",
         launcher=TORCHRUN,
+        tensor_parallel=True,
         probe_code=(
             "import torch, torch.distributed.fsdp as f; print('torch', torch.__version__, "
             "'fully_shard' if hasattr(f, 'fully_shard') else 'no fully_shard')"
@@ -322,30 +328,45 @@ class FSDPStrategy(ProcessGroupStrategy):
         joined = self.read_world(device)
         return_freed_memory(device)  # the gathered units' blocks, freed every step (_allocator)
         # Explicit, on this process's device type: never FSDP2's accelerator default.
-        self.replicas = replicas = self.replica_groups(joined)
+        # Under --tensor-parallel N FSDP2 shards over the data-parallel ranks only (2D; with HSDP, 3D), the
+        # tensor-parallel dimension innermost (parallelx.parts.mesh).
+        tp = self.run.tensor_parallel_size
+        check_degree(tp, joined.world_size, self.name)
+        dp = joined.world_size // tp
+        self.replicas = replicas = self.replica_groups(joined, dp, tp)
         if replicas > 1:  # HSDP: FSDP2 reads a 2-D mesh as (replicate, shard)
-            self.mesh = init_device_mesh(
-                device.type, (replicas, joined.world_size // replicas), mesh_dim_names=("replicate", "shard")
+            dims, names = (replicas, dp // replicas), ("replicate", "shard")
+            full = init_device_mesh(
+                device.type, (*dims, tp) if tp > 1 else dims, mesh_dim_names=(*names, "tp") if tp > 1 else names
             )
+            self.mesh = full["replicate", "shard"] if tp > 1 else full
             if joined.rank == 0:  # the default across machines is chosen silently otherwise
                 log.info(
-                    f"fsdp: hybrid sharding, {replicas} groups of {joined.world_size // replicas} processes "
+                    f"fsdp: hybrid sharding, {replicas} groups of {dp // replicas} processes "
                     "(each group a whole copy of the model, sharded within it)"
                 )
+        elif tp > 1:
+            self.mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("shard", "tp"))["shard"]
         else:
             self.mesh = init_device_mesh(device.type, (joined.world_size,))
         self.sync = FSDPSync(self.run.models, joined.comm, self.sharded, replicas)
         return joined
 
-    def replica_groups(self, joined: Joined) -> int:
-        """How many whole copies of the model HSDP keeps (1: plain sharding over every rank)."""
-        n, per_machine = joined.world_size, max(1, joined.local_world_size)
+    def make_mesh(self) -> Mesh:
+        tp = self.run.tensor_parallel_size
+        return super().make_mesh() if tp == 1 else grid(self.run, tp, dp_mesh=self.mesh)
+
+    def replica_groups(self, joined: Joined, dp: int | None = None, tp: int = 1) -> int:
+        """How many whole copies of the model HSDP keeps over the ``dp`` data-parallel ranks (1: plain
+        sharding over all of them)."""
+        n, per_machine = joined.world_size if dp is None else dp, max(1, joined.local_world_size // tp if joined.local_world_size % tp == 0 else 1)
         if self.replicate is None:  # across machines when there are several, each machine a group
             machines = n // per_machine if n % per_machine == 0 else 1
             return machines if 1 < machines < n else 1
         if self.replicate < 1 or n % self.replicate:
+            what = f"the world of {n} processes" if tp == 1 else f"the {n} data-parallel ranks (--tensor-parallel {tp})"
             raise ParallelxError(
-                f"fsdp: --fsdp-replicate {self.replicate} does not divide the world of {n} processes into "
+                f"fsdp: --fsdp-replicate {self.replicate} does not divide {what} into "
                 f"groups of the same size: give a divisor of {n} (1 shards over every rank)"
             )
         return self.replicate
@@ -435,7 +456,13 @@ class FSDPStrategy(ProcessGroupStrategy):
         return DTensorShards(unwrap(model))
 
     def broadcast_into(self, tensor: torch.Tensor) -> None:
-        if self.run.world.world_size > 1:
+        mesh = self.run.mesh
+        if mesh is not None and mesh.tensor_parallel:  # within the data-parallel group: each holds its slices
+            if mesh.data_size > 1:
+                buf = tensor.detach().to(self.run.comm.comm_device(tensor))
+                dist.broadcast(buf, src=dist.get_global_rank(mesh.dp_group, 0), group=mesh.dp_group)
+                tensor.copy_(buf)
+        elif self.run.world.world_size > 1:
             buf = tensor.detach().to(self.run.comm.comm_device(tensor))
             dist.broadcast(buf, src=0)
             tensor.copy_(buf)

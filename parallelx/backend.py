@@ -53,6 +53,7 @@ from parallelx.parts.collectives import Collectives
 from parallelx.parts.elastic import Elastic
 from parallelx.parts.gradsync import GradientSync
 from parallelx.parts.loop import LoopOptions, StepResult, TrainingLoop
+from parallelx.parts.mesh import Mesh
 from parallelx.parts.precision import FirstStepCheck, Precision
 from parallelx.parts.sampler import ShardedSampler
 from parallelx.parts.state import keep_rng_state
@@ -67,6 +68,8 @@ from parallelx.settings import (  # noqa: F401  (DEFAULT_TIMEOUT_S, DEVICES, RED
     limit_cpu_threads,
 )
 from parallelx.strategy import Options, Run, Strategy, unwrap
+from parallelx.tensor_parallel.part import TensorParallel
+from parallelx.tensor_parallel.checkpoints import TensorParallelStateIO
 from parallelx.transforms import activations, buffers
 from parallelx.transforms.compiling import CompileOptions, uncompiled
 from parallelx.utils import has_batchnorm
@@ -186,6 +189,8 @@ class Backend:
         # Parts the strategy replaces at init(); until then a world of one.
         self.grad_sync: GradientSync = GradientSync(run.models)
         self.elastic: Elastic = Elastic()
+        #: The tensor-parallel part under ``tensor_parallel=N`` (None otherwise; set at init()).
+        self.tensor_parallel: TensorParallel | None = None
         #: Trackers, throughput and profiles (:mod:`parallelx.observability`); the loop marks its steps for it.
         self.monitor = Monitor(
             run, MonitorOptions.make(options.monitor, loggers=options.loggers, log_dir=options.log_dir)
@@ -226,6 +231,17 @@ class Backend:
     def local_world_size(self) -> int:
         """Number of this job's processes on this machine (to share its CPUs)."""
         return self.run.joined.local_world_size if self.run.joined is not None else 1
+
+    @property
+    def mesh(self) -> Mesh:
+        """Where this process stands in the data-parallel x tensor-parallel grid
+        (:mod:`parallelx.parts.mesh`): ``data_rank``/``data_size`` are the coordinates to shard and seed
+        data by under ``--tensor-parallel``; without it, the rank and the world size."""
+        mesh = self.run.mesh
+        if mesh is not None and mesh.tensor_parallel and self.initialized:
+            return mesh
+        # The world as the script sees it (python -m parallelx check's virtual ranks included).
+        return Mesh.whole(self.rank, self.world_size, mesh.data_comm if mesh is not None else None)
 
     @property
     def device(self) -> torch.device:
@@ -297,6 +313,14 @@ class Backend:
                 f"{spec.name} ...`{env.hint()}"
             )
         log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
+        if run.tensor_parallel_size > 1 and not spec.tensor_parallel:
+            raise ParallelxError(
+                f"{spec.name} cannot split layers over ranks (--tensor-parallel {run.tensor_parallel_size}): "
+                "tensor parallelism runs on fsdp (2D: tensor parallel inside, FSDP2 sharding over the data-parallel "
+                "ranks) and ddp (tensor parallel inside, DDP over the data-parallel ranks): start the same script "
+                f"with `torchrun --nproc-per-node N ... --backend fsdp --tensor-parallel {run.tensor_parallel_size}`, "
+                "or leave --tensor-parallel out (docs/tensor-parallel.md)"
+            )
         if spec.needs_watchdog:
             run.watchdog = Watchdog(run.timeout_s, env.world().rank)
         with keep_rng_state():
@@ -307,8 +331,14 @@ class Backend:
                     f"rank {joined.comm.rank} of {joined.comm.world_size}"
                 )
             run.joined = joined
+            run.mesh = self.strategy.make_mesh()
             self.grad_sync = self.strategy.gradient_sync()
             self.elastic = self.strategy.elastic()
+        if run.mesh.tensor_parallel:
+            self.tensor_parallel = TensorParallel(run.mesh, sequence_parallel=run.sequence_parallel, plan=run.tp_plan)
+            self.grad_sync.tensor_parallel = self.tensor_parallel
+            if not isinstance(self.state_io, TensorParallelStateIO):
+                self.state_io = TensorParallelStateIO(self.state_io, self.tensor_parallel)
         if run.watchdog is not None and joined.world_size == 1:
             run.watchdog = None  # nobody to wait for
         log.set_rank(self.rank)
@@ -325,6 +355,8 @@ class Backend:
             self.abort()
             raise ParallelxError(f"{spec.name}: {exc}") from None
         loop = self.loop = TrainingLoop(spec.name, self.grad_sync, joined.comm, run.watch, run, self.monitor)
+        if self.tensor_parallel is not None and run.sequence_parallel:
+            loop.add_boundary_hook(self.tensor_parallel.finish_gradients)
         run.on_rejoin[:] = [lambda new: setattr(loop, "comm", new.comm)]
         self._observers = [o for o in (make(self) for make in observers_from_environment()) if o is not None]
         self._virtual_ranks = max([o.virtual_ranks for o in self._observers], default=0)
@@ -421,6 +453,9 @@ class Backend:
         known = list(model.parameters())
         for observer in self._observers:  # the initial weights, before any broadcast
             observer.before_wrap(model)
+        if self.tensor_parallel is not None:  # the split layers first: the engine wraps what they became
+            with keep_rng_state():
+                self.tensor_parallel.apply(model, self.device, self.name)
         checkpointing = run.activation_checkpointing
         if checkpointing is not None and checkpointing is not False:
             activations.apply(model, None if isinstance(checkpointing, bool) else checkpointing)
@@ -429,6 +464,8 @@ class Backend:
             if run.compile_options.enabled:
                 self.strategy.compile(wrapped)
         module = unwrap(wrapped)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.track(module)  # the engine's parameter objects (FSDP2 makes new ones)
         self._known_params = {i: ref for i, ref in self._known_params.items() if ref() is not None}
         self._known_params.update((id(p), weakref.ref(p)) for p in [*known, *module.parameters()])
         run.add_model(module)
@@ -553,8 +590,9 @@ class Backend:
         """This rank's shard of ``dataset``: disjoint shards that cover it, padded
         to equal length (``MetricSums`` leaves the padding out); a new shuffle
         every epoch without ``set_epoch``."""
+        mesh = self.mesh  # the data-parallel coordinates: a tensor-parallel group reads one shard
         sampler = ShardedSampler(
-            dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            dataset, num_replicas=mesh.data_size, rank=mesh.data_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         for observer in self._observers:
             sampler = observer.made_sampler(sampler, dataset)
@@ -594,7 +632,8 @@ class Backend:
         in dataset order (row ``i`` is sample ``i``), padding left out.  Call it
         after the pass, before the next one starts.  A collective."""
         self._require_init()
-        return gather.gather_in_order(self.comm, tensor, sampler)
+        comm = self.mesh.data_comm or self.comm  # one tensor-parallel group's rows once
+        return gather.gather_in_order(comm, tensor, sampler)
 
     # ---------------------------------------------------- synchronised BatchNorm
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:

@@ -381,6 +381,21 @@ def add_arguments(
         help="keep sharded state in CPU memory between uses, on GPUs: fsdp's parameters and gradients "
         "(CPUOffloadPolicy), DeepSpeed ZeRO's optimizer state (offload_optimizer)",
     )
+    model.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="split each transformer block's layers over N ranks (tensor parallelism; fsdp and ddp): the "
+        "world becomes world/N data-parallel x N tensor-parallel ranks, and the N ranks of a group read the "
+        "same batch (default: 1)" + NONE_IN_WORDS,
+    )
+    model.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="under --tensor-parallel, keep each rank's chunk of the sequence between the split layers "
+        "(norms, dropout, the residual stream): less activation memory",
+    )
     _add_tracking(options)
     for name in names:
         if name == "auto":

@@ -107,6 +107,10 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
             )
     if getattr(args, "cpu_offload", False):
         options["cpu_offload"] = True
+    if getattr(args, "tensor_parallel", None) is not None:
+        options["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "sequence_parallel", False):
+        options["sequence_parallel"] = True
     checkpointing = getattr(args, "activation_checkpointing", None)
     if checkpointing is not None:
         names = [n.strip() for n in checkpointing.split(",") if n.strip()]

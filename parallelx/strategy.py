@@ -43,6 +43,7 @@ from parallelx.parts.collectives import Collectives
 from parallelx.parts.elastic import Elastic
 from parallelx.parts.gradsync import GradientSync
 from parallelx.parts.loop import LoopOptions
+from parallelx.parts.mesh import Mesh
 from parallelx.parts.precision import Precision
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import StateIO
@@ -80,6 +81,10 @@ class BackendSpec:
     needs_watchdog: bool = False
     #: True for backends that can keep sharded state in CPU memory between uses (``cpu_offload=True``).
     offloads: bool = False
+    #: True for backends that split layers over ranks (``tensor_parallel=N``): their strategy's
+    #: :meth:`Strategy.make_mesh` builds the data-parallel x tensor-parallel grid and their engine wraps
+    #: over its data-parallel part (:mod:`parallelx.tensor_parallel`).
+    tensor_parallel: bool = False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run here, or None (its package is not imported to find out)."""
@@ -111,6 +116,14 @@ class Options:
     activation_checkpointing: bool | UnitPolicy | None = None
     #: Sharded state kept in CPU memory between uses (fsdp, ZeRO 1-3 on GPUs).
     cpu_offload: bool = False
+    #: Ranks that split each layer (tensor parallelism, :mod:`parallelx.tensor_parallel`): the world
+    #: becomes (world / N) data-parallel x N tensor-parallel ranks.  1: none.
+    tensor_parallel: int = 1
+    #: Between the split layers, each rank keeps a chunk of the sequence (needs ``tensor_parallel`` > 1).
+    sequence_parallel: bool = False
+    #: Which layers split how (module-name patterns -> ``colwise``/``rowwise``/``replicate``); None: the
+    #: model's own ``tp_plan``, else the default plan (:mod:`parallelx.tensor_parallel.plan`).
+    tp_plan: Mapping[str, str] | None = None
     #: Where the ranks come from; None: detected at ``init()``.
     environment: ClusterEnvironment | None = None
     #: Trackers, throughput and profiles (:mod:`parallelx.observability`).
@@ -160,6 +173,18 @@ class Run:
         self.stacks_dir = options.dump_stacks or None
         self.verbose = options.verbose
         self.cpu_offload = bool(options.cpu_offload)
+        self.tensor_parallel_size = int(options.tensor_parallel)
+        self.sequence_parallel = bool(options.sequence_parallel)
+        self.tp_plan = dict(options.tp_plan) if options.tp_plan else None
+        if self.tensor_parallel_size < 1:
+            raise ParallelxError(f"{name}: tensor_parallel must be at least 1, got {options.tensor_parallel}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ParallelxError(
+                f"{name}: --sequence-parallel shards the activations between tensor-parallel layers: it needs "
+                "--tensor-parallel N (N > 1)"
+            )
+        #: Where this process stands in the data-parallel x tensor-parallel grid (set at init()).
+        self.mesh: Mesh | None = None
         #: Whether and how models are compiled; wrapping a model compiled by the user turns it on.
         self.compile_options = CompileOptions.of(options.compile)
         self.activation_checkpointing: UnitPolicy | bool = options.activation_checkpointing or None
@@ -310,6 +335,13 @@ class Strategy(abc.ABC):
     def elastic(self) -> Elastic:
         """The elastic part: ``train()`` again in a new world where the launcher can change it."""
         return Elastic()
+
+    def make_mesh(self) -> Mesh:
+        """The mesh part (:mod:`parallelx.parts.mesh`), after :meth:`join`: here the world itself, every
+        rank its own data.  A backend with ``spec.tensor_parallel`` builds the grid of
+        ``run.tensor_parallel_size`` instead."""
+        world = self.run.world
+        return Mesh.whole(world.rank, world.world_size, world.comm)
 
     def materialize(self, model: nn.Module) -> None:
         """Give a model built under :func:`parallelx.init_module` (its tensors on the meta device) its

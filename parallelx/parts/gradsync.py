@@ -109,6 +109,10 @@ class GradientSync:
     """Plain autograd: gradients are averaged by the time ``backward`` returns
     (DDP's hooks), or there is nothing to average (one process)."""
 
+    #: Under tensor parallelism, the part that knows which gradients are slices (the norm's sums);
+    #: the facade sets it at init().
+    tensor_parallel: Any = None
+
     def __init__(self, models: Models = no_models) -> None:
         #: The unwrapped modules the backend set up (their parameter order is the clipping order).
         self.models = models
@@ -129,7 +133,8 @@ class GradientSync:
         return their global norm before clipping, or None when the backend
         takes it inside its step (:meth:`stepped_grad_norm`)."""
         params = model_order(optimizer_params(optimizer), self.models())
-        norm = total_norm(params)
+        tp = self.tensor_parallel
+        norm = total_norm(params) if tp is None else tp.total_norm(params)
         if max_norm is not None:
             clip_to_norm(params, max_norm, norm)
         return norm

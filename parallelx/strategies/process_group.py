@@ -23,7 +23,8 @@ from parallelx.launching.launchers import free_port
 from parallelx.log import warn
 from parallelx.parts import lockstep
 from parallelx.parts.collectives import Collectives, Watch, no_watch
-from parallelx.strategy import Joined, Strategy
+from parallelx.parts.mesh import Mesh, check_degree
+from parallelx.strategy import Joined, Run, Strategy
 
 T = TypeVar("T")
 
@@ -115,12 +116,24 @@ class ProcessGroupCollectives(Collectives):
     the CPU, NCCL on GPUs)."""
 
     def __init__(
-        self, rank: int, world_size: int, device: torch.device, watch: Watch = no_watch, timeout_s: float = 1800.0
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        watch: Watch = no_watch,
+        timeout_s: float = 1800.0,
+        group: Any = None,
     ) -> None:
         super().__init__(rank, world_size, watch)
         self.device = device
-        # The agreements before a collective travel apart from the engines' collectives (see agree_).
-        self.side = lockstep.side_group(timeout_s)
+        #: A subgroup (the data-parallel ranks under tensor parallelism); None: the world.
+        self.group = group
+        # The agreements before a collective travel apart from the engines' collectives (see agree_);
+        # a subgroup's through the subgroup.
+        self.side = lockstep.side_group(timeout_s) if group is None else None
+
+    def _src(self, src: int) -> int:
+        return src if self.group is None else dist.get_global_rank(self.group, src)
 
     def agree_(self, table: torch.Tensor, device: torch.device) -> torch.Tensor:
         if self.side is None:
@@ -134,12 +147,12 @@ class ProcessGroupCollectives(Collectives):
 
     def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        wait(dist.all_reduce(tensor, op=red, async_op=True))
+        wait(dist.all_reduce(tensor, op=red, group=self.group, async_op=True))
         return tensor
 
     def barrier(self) -> None:
         with self.watch("barrier"):
-            wait(dist.barrier(async_op=True))
+            wait(dist.barrier(group=self.group, async_op=True))
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         with self.watch("broadcast"):
@@ -147,10 +160,12 @@ class ProcessGroupCollectives(Collectives):
             if isinstance(obj, torch.Tensor):
                 out = obj.detach().to(self.comm_device(obj), copy=True)
                 self.agree_shapes("broadcast", out)
-                wait(dist.broadcast(out, src=src, async_op=True))
+                wait(dist.broadcast(out, src=self._src(src), group=self.group, async_op=True))
                 return cast(T, out.to(obj.device))
             box = [obj]
-            dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
+            dist.broadcast_object_list(
+                box, src=self._src(src), group=self.group, device=self.device if self.device.type == "cuda" else None
+            )
             return box[0]
 
     def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -158,7 +173,7 @@ class ProcessGroupCollectives(Collectives):
         rows = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
         counts = [torch.empty_like(rows) for _ in range(self.world_size)]
         with self.watch("all_gather"):
-            wait(dist.all_gather(counts, rows, async_op=True))
+            wait(dist.all_gather(counts, rows, group=self.group, async_op=True))
         sizes = [int(c) for c in counts]
         if max(sizes) == 0:
             return [tensor.clone() for _ in sizes]
@@ -167,7 +182,7 @@ class ProcessGroupCollectives(Collectives):
         parts = [torch.empty_like(padded) for _ in sizes]
         with self.watch("all_gather"):
             record.describe(padded)
-            wait(dist.all_gather(parts, padded, async_op=True))
+            wait(dist.all_gather(parts, padded, group=self.group, async_op=True))
         return [part[:n] for part, n in zip(parts, sizes)]
 
 
@@ -268,6 +283,14 @@ class ProcessGroupStrategy(Strategy):
             comm=ProcessGroupCollectives(rank, world_size, device, self.run.watch, self.run.timeout_s),
         )
 
+    def make_mesh(self) -> Mesh:
+        """Under ``tensor_parallel=N`` the grid of world/N data-parallel x N tensor-parallel ranks
+        (tensor-parallel innermost: one group's ranks are neighbours, on one machine where they fit)."""
+        tp = self.run.tensor_parallel_size
+        if tp == 1:
+            return super().make_mesh()
+        return grid(self.run, tp)
+
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:
         world = self.run.world
         if world.world_size > 1 and world.device.type == "cuda":
@@ -289,3 +312,25 @@ class ProcessGroupStrategy(Strategy):
             if self.owns_group:
                 dist.destroy_process_group()
                 self.owns_group = False
+
+
+def grid(run: Run, tp: int, dp_mesh: Any = None) -> Mesh:
+    """The :class:`Mesh` of ``run``'s world as (world/``tp``) data-parallel x ``tp`` tensor-parallel
+    ranks, rank = data_rank * tp + tp_rank.  Every rank makes every group (torch requires it)."""
+    world = run.world
+    check_degree(tp, world.world_size, run.name)
+    dp = world.world_size // tp
+    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(d * tp, d * tp + tp)) for d in range(dp)])
+    dp_group, _ = dist.new_subgroups_by_enumeration([list(range(t, world.world_size, tp)) for t in range(tp)])
+    data_rank, tp_rank = divmod(world.rank, tp)
+    data_comm = ProcessGroupCollectives(data_rank, dp, world.device, run.watch, run.timeout_s, group=dp_group)
+    return Mesh(
+        data_rank=data_rank,
+        data_size=dp,
+        tp_rank=tp_rank,
+        tp_size=tp,
+        data_comm=data_comm,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        dp_mesh=dp_mesh,
+    )

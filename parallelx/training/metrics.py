@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallelx.errors import ParallelxError
+from parallelx.parts.gather import all_gather_object
 
 if TYPE_CHECKING:
     from parallelx.backend import Backend
+    from parallelx.parts.collectives import Collectives
     from parallelx.parts.sampler import ShardedSampler
 
 
@@ -123,9 +125,10 @@ class MetricSums:
         # Whether a rank is loss-only travels with the counts: a rank that saw no batch cannot know.
         loss_only = torch.tensor(int(self.tracks_correct is False)).to(self.count)
         packed = torch.stack([self.correct, self.count, loss_only])
-        if backend is not None:
-            loss_sum = backend.all_reduce(loss_sum, op="sum")
-            packed = backend.all_reduce(packed, op="sum")
+        if backend is not None:  # over the data-parallel ranks: a tensor-parallel group's sums once
+            comm = _data_comm(backend)
+            loss_sum = comm.all_reduce(loss_sum, op="sum")
+            packed = comm.all_reduce(packed, op="sum")
         correct, n = int(packed[0]), int(packed[1])
         result: dict[str, float] = {"loss": float(loss_sum) / n if n else float("nan"), "count": n}
         if int(packed[2]) == 0:
@@ -142,7 +145,7 @@ class MetricSums:
             "count": int(self.count),
             "tracks_correct": self.tracks_correct,
         }
-        return {"ranks": [mine] if backend is None else backend.all_gather_object(mine)}
+        return {"ranks": [mine] if backend is None else all_gather_object(_data_comm(backend), mine)}
 
     def load_state_dict(self, state: dict[str, Any], backend: Backend | None = None) -> None:
         """Continue from :meth:`state_dict`'s sums.  At the world size that
@@ -154,7 +157,7 @@ class MetricSums:
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ParallelxError(f"not a MetricSums state ({type(exc).__name__}: {exc})") from None
-        rank, world = (0, 1) if backend is None else (backend.rank, backend.world_size)
+        rank, world = (0, 1) if backend is None else (backend.mesh.data_rank, backend.mesh.data_size)
         if len(ranks) == world:
             loss_sum, correct, count, tracks = ranks[rank]
         elif rank == 0:
@@ -167,3 +170,10 @@ class MetricSums:
         self.correct = torch.tensor(correct, dtype=torch.int64, device=device)
         self.count = torch.tensor(count, dtype=torch.int64, device=device)
         self.tracks_correct = tracks
+
+
+def _data_comm(backend: Backend) -> Collectives:
+    """The collectives over the ranks that read different data (the world without tensor parallelism)."""
+    if not backend.initialized:
+        raise ParallelxError(f"backend {backend.name!r} is not initialised: call backend.init() first")
+    return backend.mesh.data_comm or backend.comm

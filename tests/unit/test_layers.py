@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"settings", "transforms", "storage"},  # timeouts, devices; around wrapping; where checkpoint files live
     {"launching", "forensics"},  # where the ranks come from, how processes start; what each rank was doing
     {"parts", "bigmodels"},  # collectives, gradient sync, ..., the loop, the sampler; weights in and out
-    {"observability"},  # the monitor, throughput, profiles, trackers
+    {"observability", "tensor_parallel"},  # the monitor, throughput, profiles, trackers; splitting layers over ranks
     {"strategy"},  # what a backend author subclasses
     {"backend"},  # the facade users call
     {"strategies", "training", "checkpoints"},  # strategy bases; helpers over the facade; training-state files

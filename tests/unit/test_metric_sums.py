@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallelx.parts.mesh import Mesh
 from parallelx import MetricSums, ParallelxError, ShardedSampler
 
 
@@ -48,6 +49,7 @@ class _World:
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+        self.mesh = Mesh.whole(rank, world_size, None)  # the data-parallel coordinates are the world's
 
 
 @pytest.mark.parametrize("correct", [None, torch.tensor([1, 0, 1, 1, 0, 1, 0], dtype=torch.bool)])

@@ -1,0 +1,373 @@
+"""The tensor-parallel part: applies a plan to a model and keeps what it split.
+
+:meth:`TensorParallel.apply` runs in ``backend.wrap_model`` before the engine
+wraps the model (DDP over the data-parallel group, FSDP2 over its mesh): every
+rank takes rank 0's whole weights (as DDP does at construction), then keeps its
+slice of each split layer, in place (the parameters stay the same objects, so
+an optimizer built before set-up still holds them).  A split ``nn.Linear``
+becomes a :class:`ColwiseLinear` or :class:`RowwiseLinear` (the same module with
+the forward that talks to its group, :mod:`parallelx.tensor_parallel.comm`).
+
+What it keeps by parameter name serves the state part (every split tensor put
+together whole for a portable checkpoint, and cut again on loading, so that a
+checkpoint moves between tensor-parallel degrees and backends) and the gradient
+norm (a split gradient's squares summed over the group, a whole one counted once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallelx import log
+from parallelx.errors import ParallelxError
+from parallelx.parts.mesh import Mesh
+from parallelx.tensor_parallel import comm
+from parallelx.tensor_parallel.plan import Plan, find_plan
+
+__all__ = ["ColwiseLinear", "RowwiseLinear", "TensorParallel", "local_slice", "whole_from_slices"]
+
+
+def local_slice(whole: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``whole`` along ``dim``; a fused tensor's ``parts`` each sliced alike."""
+    pieces = [p.chunk(size, dim=dim)[rank] for p in whole.chunk(parts, dim=dim)]
+    return torch.cat(pieces, dim=dim) if parts > 1 else pieces[0]
+
+
+def whole_from_slices(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The tensor whose slices (in rank order) ``slices`` are: the inverse of :func:`local_slice`."""
+    split = [s.chunk(parts, dim=dim) for s in slices]
+    return torch.cat([torch.cat([s[k] for s in split], dim=dim) for k in range(parts)], dim=dim)
+
+
+class ColwiseLinear(nn.Linear):
+    """An ``nn.Linear`` holding this rank's output features: reads the whole input (under sequence
+    parallelism the module that holds it gathers the sequence first), gives this rank's slice of the output."""
+
+    tp_group: Any
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under sequence parallelism the module around it gathered the sequence, and that gather's
+        # backward sums the input's gradient over the group.
+        if not self.sequence_parallel:
+            x = comm.copy_in(x, self.tp_group)
+        elif getattr(self, "gathers", False):  # a layer straight inside a block: it gathers for itself
+            x = comm.gather_sequence(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowwiseLinear(nn.Linear):
+    """An ``nn.Linear`` holding this rank's input features: the partial products summed over the
+    group (reduce-scattered along the sequence under sequence parallelism), the bias added once."""
+
+    tp_group: Any
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = comm.scatter_sequence(y, self.tp_group) if self.sequence_parallel else comm.reduce_out(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+def _fused_attention_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """nanoGPT's causal self-attention on this rank's heads: ``c_attn`` gives this rank's q, k and v
+    (its heads' slices of each), ``c_proj`` sums the heads' outputs over the group."""
+    B, T, _ = x.shape
+    q, k, v = self.c_attn(x).chunk(3, dim=-1)
+    heads = self.n_head
+    q, k, v = (t.view(B, T, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    p = float(getattr(self, "dropout", 0.0) or 0.0) if self.training else 0.0
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+    y = y.transpose(1, 2).reshape(B, T, -1)
+    out = self.c_proj(y)
+    drop = getattr(self, "resid_dropout", None)
+    return drop(out) if isinstance(drop, nn.Module) else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one parameter is split: along ``dim``, in ``parts`` fused parts."""
+
+    dim: int
+    parts: int = 1
+
+
+class TensorParallel:
+    """Applies plans over ``mesh``'s tensor-parallel group and remembers the split parameters."""
+
+    def __init__(self, mesh: Mesh, *, sequence_parallel: bool = False, plan: Mapping[str, str] | None = None) -> None:
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        self.given_plan = dict(plan) if plan else None
+        #: Per model (the user's module), each split tensor's layout by name.
+        self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, Layout]] = weakref.WeakKeyDictionary()
+        #: The split parameters as objects (ids), refreshed after an engine replaces them (:meth:`track`).
+        self._split_ids: set[int] = set()
+        #: Under sequence parallelism, the whole-kept parameters whose gradients are partial sums.
+        self._partial: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+        self._partial_ids: set[int] = set()
+        self._checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.tp_size
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.tp_group
+
+    # ------------------------------------------------------------ applying
+    def apply(self, model: nn.Module, device: torch.device, who: str) -> Plan:
+        """Split ``model``'s layers in place by its plan (found and checked first: a refusal changes nothing)."""
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            raise ParallelxError(
+                f"{who}: --tensor-parallel needs the model's weights: build it on the CPU (not under "
+                "parallelx.init_module() or the meta device) when splitting its layers"
+            )
+        plan = find_plan(model, self.size, self.given_plan)
+        if self.sequence_parallel:
+            self._check_sequence_parallel(model, plan, who)
+        modules = dict(model.named_modules())
+        model.to(device)
+        with torch.no_grad():  # rank 0's whole weights everywhere, then each rank keeps its slices
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        layouts: dict[str, Layout] = {}
+        rank, size = self.mesh.tp_rank, self.size
+        for name, split in plan.splits.items():
+            layer = modules[name]
+            assert isinstance(layer, nn.Linear)
+            dim = 0 if split.style == "colwise" else 1
+            with torch.no_grad():
+                layer.weight.data = local_slice(layer.weight.data, dim, split.parts, rank, size).clone()
+                layouts[f"{name}.weight"] = Layout(dim, split.parts)
+                if layer.bias is not None and split.style == "colwise":
+                    layer.bias.data = local_slice(layer.bias.data, 0, split.parts, rank, size).clone()
+                    layouts[f"{name}.bias"] = Layout(0, split.parts)
+            layer.__class__ = ColwiseLinear if split.style == "colwise" else RowwiseLinear
+            layer.tp_group = self.group
+            layer.sequence_parallel = self.sequence_parallel  # type: ignore[assignment]
+            layer.out_features = layer.weight.shape[0]
+            layer.in_features = layer.weight.shape[1]
+        for name, heads in plan.attention.items():
+            for attr, count in heads.items():
+                setattr(modules[name], attr, count // size)
+        for name in plan.fused_attention:
+            modules[name].forward = types.MethodType(_fused_attention_forward, modules[name])
+        self._layouts[model] = layouts
+        if self.sequence_parallel:
+            self._sequence_regions(model, plan)
+        self.track(model)
+        model.register_forward_pre_hook(self._same_batch_check, with_kwargs=True)
+        if self.mesh.data_rank == 0 and self.mesh.tp_rank == 0:
+            log.info(
+                f"parallelx: {who}: {plan.describe(size)}{', sequence parallel' if self.sequence_parallel else ''}"
+            )
+        return plan
+
+    def track(self, model: nn.Module) -> None:
+        """Remember ``model``'s split parameters as the objects it holds now (an engine may have replaced them)."""
+        layouts = self._layouts.get(model, {})
+        partial = self._partial.get(model, set())
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name in layouts:
+                self._split_ids.add(id(p))
+            if name in partial:
+                self._partial_ids.add(id(p))
+
+    def layouts(self, model: nn.Module) -> dict[str, Layout]:
+        return self._layouts.get(model, {})
+
+    def models(self) -> list[nn.Module]:
+        """The models split so far (still alive)."""
+        return list(self._layouts.keys())
+
+    def is_split(self, param: torch.Tensor) -> bool:
+        return id(param) in self._split_ids
+
+    # ------------------------------------------------------------ the data
+    def _same_batch_check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """At a model's first forward: the tensor-parallel peers must read the same batch (a few numbers
+        compared); a script that shards its data by ``backend.rank`` gives them different ones."""
+        if module in self._checked:
+            return
+        self._checked.add(module)
+        tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+        mine = torch.tensor(
+            [float(len(tensors))] + [v for t in tensors for v in (float(t.numel()), float(t.double().sum()))],
+            dtype=torch.float64,
+        )
+        size = torch.tensor([mine.numel()], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.full((longest,), math.nan, dtype=torch.float64)
+        padded[: mine.numel()] = mine
+        everyone = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(everyone, padded, group=self.group)
+        if any(not torch.equal(e.nan_to_num(-1.0), everyone[0].nan_to_num(-1.0)) for e in everyone):
+            m = self.mesh
+            raise ParallelxError(
+                f"tensor parallel: the {m.tp_size} ranks of one tensor-parallel group read different batches "
+                f"at the model's first forward; they must read the same one.  Shard the data by the data-parallel "
+                f"coordinates, not by backend.rank/world_size: backend.mesh.data_rank ({m.data_rank} here) and "
+                f"backend.mesh.data_size ({m.data_size}), or backend.make_sampler(dataset), which does; seed the "
+                "data by the data-parallel rank too"
+            )
+
+    # ------------------------------------------------------------ sequence parallelism
+    def _check_sequence_parallel(self, model: nn.Module, plan: Plan, who: str) -> None:
+        blocks = _blocks(model, plan)
+        if blocks is None:
+            raise ParallelxError(
+                f"{who}: --sequence-parallel shards the activations between the split layers along the sequence: "
+                "parallelx finds that region as the model's list of blocks (an nn.ModuleList holding every split "
+                "layer), which this model does not have; leave --sequence-parallel out"
+            )
+
+    def _sequence_regions(self, model: nn.Module, plan: Plan) -> None:
+        """The residual stream between the blocks' split layers holds this rank's chunk of the sequence:
+        cut at the first block's input, put together at the last block's output.  The whole-kept
+        parameters inside (norms) see a chunk each: their gradients are summed over the group."""
+        blocks = _blocks(model, plan)
+        assert blocks is not None
+        group = self.group
+
+        def cut(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            x = args[0] if args else next(iter(kwargs.values()))
+            if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] % self.size:
+                raise ParallelxError(
+                    f"--sequence-parallel cuts the blocks' input along the sequence (dim 1) into {self.size} equal "
+                    f"chunks: the first block got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}; "
+                    f"give sequences whose length {self.size} divides, or leave --sequence-parallel out"
+                )
+            if args:
+                return (comm.split_sequence(args[0], group), *args[1:]), kwargs
+            key = next(iter(kwargs))
+            return args, {**kwargs, key: comm.split_sequence(kwargs[key], group)}
+
+        def join(module: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):
+                return comm.join_sequence(output, group)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (comm.join_sequence(output[0], group), *output[1:])
+            raise ParallelxError("--sequence-parallel: the last block returns neither a tensor nor a tuple led by one")
+
+        def gather(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args:
+                return (comm.gather_sequence(args[0], group), *args[1:]), kwargs
+            key = next(iter(kwargs))
+            return args, {**kwargs, key: comm.gather_sequence(kwargs[key], group)}
+
+        blocks[0].register_forward_pre_hook(cut, with_kwargs=True)
+        blocks[-1].register_forward_hook(join)
+        # Each module holding column-wise layers (the attention, the MLP) reads the whole sequence.
+        # (nanoGPT keeps its MLP's layers straight in the block, whose input is the residual stream: there
+        # each column-wise layer gathers its own input.)
+        modules = dict(model.named_modules())
+        in_blocks = {id(b) for b in blocks}
+        for owner in sorted({n.rpartition(".")[0] for n, s in plan.splits.items() if s.style == "colwise"}):
+            if id(modules[owner]) in in_blocks:
+                for n, s in plan.splits.items():
+                    if s.style == "colwise" and n.rpartition(".")[0] == owner:
+                        modules[n].gathers = True
+            else:
+                modules[owner].register_forward_pre_hook(gather, with_kwargs=True)
+        prefix = next(n for n, m in model.named_modules() if m is blocks)
+        layouts = self._layouts.get(model, {})
+        self._partial[model] = {
+            f"{prefix}.{n}" for n, p in blocks.named_parameters() if p.requires_grad and f"{prefix}.{n}" not in layouts
+        }
+
+    def finish_gradients(self, optimizer: Any) -> None:
+        """Under sequence parallelism, at the window's end and before clipping: the whole-kept parameters
+        between the split layers (norms, a row-wise layer's bias) saw one chunk of the sequence on each
+        rank, so their gradients are summed over the group (one all-reduce for all of them)."""
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in self._partial_ids and p.grad is not None
+        ]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # ------------------------------------------------------------ state and norms
+    def gather_state(self, model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` (a model's, by plain names) with every split tensor put together whole.  A collective
+        over the tensor-parallel group: every rank calls it."""
+        layouts = self.layouts(model)
+        out = dict(state)
+        for name, layout in layouts.items():
+            if name in out and isinstance(out[name], torch.Tensor):
+                out[name] = self.gather(out[name], layout)
+        return out
+
+    def gather(self, local: torch.Tensor, layout: Layout) -> torch.Tensor:
+        t = local.detach()
+        device = t.device
+        # Gloo moves CPU tensors, NCCL this process's GPU's.
+        wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
+        t = t.to(wire or "cpu")
+        parts = [torch.empty_like(t.contiguous()) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return whole_from_slices(parts, layout.dim, layout.parts).to(device)
+
+    def slice_state(self, model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Whole tensors of ``state`` cut to this rank's slices (no communication)."""
+        out = dict(state)
+        for name, layout in self.layouts(model).items():
+            value = out.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > layout.dim:
+                out[name] = local_slice(value, layout.dim, layout.parts, self.mesh.tp_rank, self.size).clone()
+        return out
+
+    def whole_shape(self, model: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        layout = self.layouts(model).get(name)
+        if layout is None:
+            return shape
+        whole = list(shape)
+        whole[layout.dim] *= self.size
+        return tuple(whole)
+
+    def total_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The global 2-norm of the gradients: a split gradient's squares summed over the group, a whole
+        one's counted once (float64 sums; equal to one process's but for the order of additions)."""
+        grads = [(p.grad, self.is_split(p)) for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        dtype, device = grads[0][0].dtype, grads[0][0].device
+        split = torch.zeros((), dtype=torch.float64, device=device)
+        whole = torch.zeros((), dtype=torch.float64, device=device)
+        for g, is_split in grads:
+            sq = torch.linalg.vector_norm(g.detach(), 2.0).double() ** 2
+            if is_split:
+                split = split + sq
+            else:
+                whole = whole + sq
+        dist.all_reduce(split, group=self.group)
+        return (split + whole).sqrt().to(dtype)
+
+
+def _blocks(model: nn.Module, plan: Plan) -> nn.ModuleList | None:
+    """The model's list of blocks: an ``nn.ModuleList`` under which every split layer lives."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(s.startswith(f"{name}.") for s in plan.splits):
+            return module
+    return None

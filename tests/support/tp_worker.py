@@ -1,0 +1,200 @@
+"""Tensor parallelism under a real launcher: each model trained through parallelx at
+``--tensor-parallel N`` and, in the same process, by plain PyTorch on one process
+(the reference), and a second reference whose micro-batches are summed in another
+order (the floor of summation order).  Writes ``report-<rank>.json``:
+per model the largest relative difference per tensor against the reference and
+the floor's, the losses, and the checkpoint moves.
+
+    torchrun --nproc-per-node 4 tests/support/tp_worker.py --backend fsdp --tensor-parallel 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import parallelx
+
+STEPS, ACCUMULATE, CLIP, GLOBAL_BATCH, T, VOCAB = 3, 2, 0.05, 8, 16, 64
+
+
+# ------------------------------------------------------------------ the models
+def recipe_gpt() -> nn.Module:
+    from recipes.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
+
+
+def nanogpt() -> nn.Module:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "check_scripts"))
+    import nanogpt_port as ng
+
+    return ng.GPT(ng.GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
+
+
+class LlamaLM(nn.Module):
+    """transformers' Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) built from a config; the
+    forward gives the logits as the other models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=T,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+        self.inner = LlamaForCausalLM(config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx).logits
+
+
+MODELS = {"recipe_gpt": recipe_gpt, "nanogpt": nanogpt, "llama": LlamaLM}
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS * ACCUMULATE):
+        x = torch.randint(0, VOCAB, (GLOBAL_BATCH, T), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    if isinstance(logits, tuple):  # nanoGPT's (logits, loss)
+        logits = logits[0]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def reference(build: Any, batches: list[Any], pieces: int) -> dict[str, torch.Tensor]:
+    """One process on the global batch, each micro-batch's gradient taken in ``pieces`` parts."""
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(groups(model), lr=1e-2)
+    for i, (x, y) in enumerate(batches):
+        for xs, ys in zip(x.chunk(pieces), y.chunk(pieces)):
+            (loss_of(model, xs, ys) / (ACCUMULATE * pieces)).backward()
+        if (i + 1) % ACCUMULATE == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for k, v in a.items():
+        w = b[k].to(v.dtype)
+        scale = float(v.abs().max()) or 1.0
+        worst = max(worst, float((v - w).abs().max()) / scale)
+    return worst
+
+
+def mine(backend: parallelx.Backend, batches: list[Any]) -> list[Any]:
+    """This data-parallel rank's rows of each global batch (the tensor-parallel peers read the same)."""
+    m = backend.mesh
+    return [(x.chunk(m.data_size)[m.data_rank], y.chunk(m.data_size)[m.data_rank]) for x, y in batches]
+
+
+def train(backend: parallelx.Backend, build: Any, batches: list[Any]) -> tuple[nn.Module, Any, list[float]]:
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(groups(model), lr=1e-2)
+    model, opt = backend.setup(model, opt)
+    losses = []
+    for x, y in backend.batches(mine(backend, batches)):
+        loss = loss_of(model, x, y)
+        backend.backward(loss)
+        out = backend.step(opt)
+        if out is not None:
+            losses.append(float(loss))
+    return model, opt, losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--resume-from", type=Path, default=None, help="a checkpoint folder another launch wrote")
+    parallelx.add_arguments(parser)
+    args = parser.parse_args()
+    backend = parallelx.from_args(args, accumulate=ACCUMULATE, clip_grad_norm=CLIP)
+    report: dict[str, Any] = {}
+    with backend:
+        report["mesh"] = {
+            "data_rank": backend.mesh.data_rank,
+            "data_size": backend.mesh.data_size,
+            "tp_rank": backend.mesh.tp_rank,
+            "tp_size": backend.mesh.tp_size,
+        }
+        for name in args.models.split(","):
+            batches = data(1)
+            ref = reference(MODELS[name], batches, 1)
+            floor = reference(MODELS[name], batches, 2)
+            model, opt, losses = train(backend, MODELS[name], batches)
+            whole = backend.model_state_dict(model)
+            entry: dict[str, Any] = {"diff": rel(ref, whole), "floor": rel(ref, floor), "losses": losses}
+            entry["shapes_whole"] = all(tuple(whole[k].shape) == tuple(v.shape) for k, v in ref.items())
+            # The checkpoint: written here, resumed here and by the other launch (any degree, any backend).
+            ckpt = args.out / f"ckpt-{name}.pt"
+            backend.save({"model": model, "optimizer": opt, "named": backend.named_optimizer_state(model, opt)}, ckpt)
+            if args.resume_from is not None and (args.resume_from / f"ckpt-{name}.pt").exists():
+                saved = backend.load(args.resume_from / f"ckpt-{name}.pt")
+                torch.manual_seed(0)
+                fresh = MODELS[name]()
+                fresh_opt = torch.optim.AdamW(groups(fresh), lr=1e-2)
+                fresh, fresh_opt = backend.setup(fresh, fresh_opt)
+                backend.load_state_dict(fresh, saved["model"])
+                backend.load_named_optimizer_state(fresh, fresh_opt, saved["named"])
+                # Both continue one more window on the same data: the resumed equals the uninterrupted.
+                more = mine(backend, data(2)[:ACCUMULATE])
+                for m, o in ((model, opt), (fresh, fresh_opt)):
+                    for x, y in backend.batches(more):
+                        backend.backward(loss_of(m, x, y))
+                        backend.step(o)
+                a, b = backend.model_state_dict(model), backend.model_state_dict(fresh)
+                entry["resumed_vs_uninterrupted"] = rel(a, b)
+                entry["resumed_vs_saved_run"] = rel(saved["model"], whole)
+            report[name] = entry
+        # A loader keyed by backend.rank gives the peers of a tensor-parallel group different batches.
+        if backend.mesh.tp_size > 1:
+            torch.manual_seed(0)
+            model = backend.wrap_model(MODELS["recipe_gpt"]())
+            x = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(backend.rank))
+            try:
+                model(x)
+                report["peers_caught"] = None
+            except parallelx.ParallelxError as exc:
+                report["peers_caught"] = str(exc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"report-{int(os.environ.get('RANK', '0'))}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
