@@ -359,7 +359,10 @@ class FSDPStrategy(ProcessGroupStrategy):
     def replica_groups(self, joined: Joined, dp: int | None = None, tp: int = 1) -> int:
         """How many whole copies of the model HSDP keeps over the ``dp`` data-parallel ranks (1: plain
         sharding over all of them)."""
-        n, per_machine = joined.world_size if dp is None else dp, max(1, joined.local_world_size // tp if joined.local_world_size % tp == 0 else 1)
+        n, per_machine = (
+            joined.world_size if dp is None else dp,
+            max(1, joined.local_world_size // tp if joined.local_world_size % tp == 0 else 1),
+        )
         if self.replicate is None:  # across machines when there are several, each machine a group
             machines = n // per_machine if n % per_machine == 0 else 1
             return machines if 1 < machines < n else 1

@@ -68,8 +68,8 @@ from parallelx.settings import (  # noqa: F401  (DEFAULT_TIMEOUT_S, DEVICES, RED
     limit_cpu_threads,
 )
 from parallelx.strategy import Options, Run, Strategy, unwrap
-from parallelx.tensor_parallel.part import TensorParallel
 from parallelx.tensor_parallel.checkpoints import TensorParallelStateIO
+from parallelx.tensor_parallel.part import TensorParallel
 from parallelx.transforms import activations, buffers
 from parallelx.transforms.compiling import CompileOptions, uncompiled
 from parallelx.utils import has_batchnorm
@@ -306,13 +306,6 @@ class Backend:
             return self
         run, spec = self.run, self.strategy.spec
         env = run.environment = run.environment or detect_environment()
-        if spec.environments is not None and env.name not in spec.environments:
-            raise LaunchError(
-                f"{spec.name} cannot form its world under {env.name} ({env.why()}); it runs under "
-                f"{', '.join(spec.environments)}: start it with `{spec.launcher.usage()} --backend "
-                f"{spec.name} ...`{env.hint()}"
-            )
-        log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
         if run.tensor_parallel_size > 1 and not spec.tensor_parallel:
             raise ParallelxError(
                 f"{spec.name} cannot split layers over ranks (--tensor-parallel {run.tensor_parallel_size}): "
@@ -321,6 +314,13 @@ class Backend:
                 f"with `torchrun --nproc-per-node N ... --backend fsdp --tensor-parallel {run.tensor_parallel_size}`, "
                 "or leave --tensor-parallel out (docs/tensor-parallel.md)"
             )
+        if spec.environments is not None and env.name not in spec.environments:
+            raise LaunchError(
+                f"{spec.name} cannot form its world under {env.name} ({env.why()}); it runs under "
+                f"{', '.join(spec.environments)}: start it with `{spec.launcher.usage()} --backend "
+                f"{spec.name} ...`{env.hint()}"
+            )
+        log.set_rank(env.world().rank)  # from here on, warnings come from rank 0 only (parallelx.log)
         if spec.needs_watchdog:
             run.watchdog = Watchdog(run.timeout_s, env.world().rank)
         with keep_rng_state():

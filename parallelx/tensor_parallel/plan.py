@@ -232,20 +232,20 @@ def _attention(
         if leaf not in _ATTN_COLWISE and leaf not in _FUSED_QKV:
             continue
         parent = modules[parent_name]
-        if parent_name in attention:
-            continue
         heads = {a: v for a in HEAD_ATTRS if isinstance(v := getattr(parent, a, None), int) and not isinstance(v, bool)}
         head_dim = getattr(parent, "head_dim", None)
         layer = modules[name]
         assert isinstance(layer, nn.Linear)
-        if not heads and isinstance(head_dim, int) and head_dim > 0:
+        if isinstance(head_dim, int) and head_dim > 0:  # each projection's heads (grouped-query: fewer k, v)
             count = layer.out_features // split.parts // head_dim
             if count % tp:
                 raise ParallelxError(
                     f"--tensor-parallel {tp}: {name} holds {count} heads of {head_dim}, which {tp} ranks cannot "
                     f"share equally: give a --tensor-parallel that divides {count}"
                 )
-        elif not heads:
+        if parent_name in attention:
+            continue
+        if not heads and not (isinstance(head_dim, int) and head_dim > 0):
             raise ParallelxError(
                 f"--tensor-parallel {tp}: the attention module {parent_name} ({type(parent).__name__}) keeps "
                 f"neither a head count ({', '.join(HEAD_ATTRS[:3])}, ...) nor a head_dim, so its heads cannot be "

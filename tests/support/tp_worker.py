@@ -92,10 +92,12 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def reference(build: Any, batches: list[Any], pieces: int) -> dict[str, torch.Tensor]:
+def reference(
+    build: Any, batches: list[Any], pieces: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """One process on the global batch, each micro-batch's gradient taken in ``pieces`` parts."""
     torch.manual_seed(0)
-    model = build()
+    model = build().to(dtype)
     opt = torch.optim.AdamW(groups(model), lr=1e-2)
     for i, (x, y) in enumerate(batches):
         for xs, ys in zip(x.chunk(pieces), y.chunk(pieces)):
@@ -107,13 +109,13 @@ def reference(build: Any, batches: list[Any], pieces: int) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def per_tensor(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's largest difference relative to its largest value."""
+    return {k: float((v - b[k].to(v.dtype)).abs().max()) / (float(v.abs().max()) or 1.0) for k, v in a.items()}
+
+
 def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for k, v in a.items():
-        w = b[k].to(v.dtype)
-        scale = float(v.abs().max()) or 1.0
-        worst = max(worst, float((v - w).abs().max()) / scale)
-    return worst
+    return max(per_tensor(a, b).values())
 
 
 def mine(backend: parallelx.Backend, batches: list[Any]) -> list[Any]:
@@ -156,10 +158,20 @@ def main() -> None:
         for name in args.models.split(","):
             batches = data(1)
             ref = reference(MODELS[name], batches, 1)
-            floor = reference(MODELS[name], batches, 2)
+            # The floor of summation order: the same run with the batch's sums in other orders, and in
+            # float64 (how far float32's rounding alone moves these weights).
+            floors = [reference(MODELS[name], batches, 2), reference(MODELS[name], batches, 4)]
+            floors.append(reference(MODELS[name], batches, 1, torch.float64))
             model, opt, losses = train(backend, MODELS[name], batches)
             whole = backend.model_state_dict(model)
-            entry: dict[str, Any] = {"diff": rel(ref, whole), "floor": rel(ref, floor), "losses": losses}
+            entry: dict[str, Any] = {
+                "diff": rel(ref, whole),
+                "floor": max(rel(ref, f) for f in floors),
+                "floors": [rel(ref, f) for f in floors],
+                "worst": sorted(per_tensor(ref, whole).items(), key=lambda kv: -kv[1])[:3],
+                "worst_floor": sorted(per_tensor(ref, floors[0]).items(), key=lambda kv: -kv[1])[:3],
+                "losses": losses,
+            }
             entry["shapes_whole"] = all(tuple(whole[k].shape) == tuple(v.shape) for k, v in ref.items())
             # The checkpoint: written here, resumed here and by the other launch (any degree, any backend).
             ckpt = args.out / f"ckpt-{name}.pt"

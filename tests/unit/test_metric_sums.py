@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelx.parts.mesh import Mesh
 from parallelx import MetricSums, ParallelxError, ShardedSampler
+from parallelx.parts.mesh import Mesh
 
 
 def test_loss_only_counts_the_loss_and_leaves_accuracy_out():
