@@ -21,7 +21,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +90,25 @@ def whole_tensors(module: nn.Module, rank: int) -> Layout:
         if rank == 0:
             pieces.append(Piece(name, 0, t.detach().reshape(-1)))
     return Layout(tensors, pieces)
+
+
+def whole_state(module: nn.Module, state: Mapping[str, torch.Tensor], rank: int) -> Layout:
+    """``state`` (whole tensors by plain name, the same on every rank), written by rank 0, a tied
+    tensor once under ``module``'s first name for it."""
+    names = [name for name, _ in unique_state(module)]
+    tensors = [TensorInfo(n, tuple(state[n].shape), state[n].dtype) for n in names]
+    pieces = [Piece(n, 0, state[n].detach().reshape(-1)) for n in names] if rank == 0 else []
+    return Layout(tensors, pieces)
+
+
+def _user_module(model: nn.Module) -> nn.Module:
+    inner = model
+    while True:  # inside a wrapper (DeepSpeed's engine, DDP, torch.compile's) the user's model
+        below = getattr(inner, "module", None)
+        below = below if isinstance(below, nn.Module) else getattr(inner, "_orig_mod", None)
+        if not isinstance(below, nn.Module):
+            return inner
+        inner = below
 
 
 def unique_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -220,7 +239,12 @@ class SavingBackend(Protocol):
     @property
     def strategy(self) -> PieceSource: ...
 
+    @property
+    def mesh(self) -> Any: ...
+
     def barrier(self) -> None: ...
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
 
 
 def save_pretrained(
@@ -237,16 +261,12 @@ def save_pretrained(
     each writes the bytes it keeps (nothing is gathered; the folder must be one every rank sees).
     With ``config=True`` a model that has a Hugging Face ``config`` gets its ``config.json`` too, so
     that ``AutoModel.from_pretrained(path)`` loads it.  Returns the weight files."""
-    layout = backend.strategy.weight_pieces(model)
+    if backend.mesh.tensor_parallel:  # the split layers put together (a collective), rank 0 writes
+        layout = whole_state(_user_module(model), backend.model_state_dict(model), backend.rank)
+    else:
+        layout = backend.strategy.weight_pieces(model)
     files = write_safetensors(layout, path, rank=backend.rank, barrier=backend.barrier, max_shard_size=max_shard_size)
-    inner = model
-    while True:  # inside a wrapper (DeepSpeed's engine, DDP, torch.compile's) the user's model
-        below = getattr(inner, "module", None)
-        below = below if isinstance(below, nn.Module) else getattr(inner, "_orig_mod", None)
-        if not isinstance(below, nn.Module):
-            break
-        inner = below
-    hf_config = getattr(inner, "config", None)
+    hf_config = getattr(_user_module(model), "config", None)
     if config and backend.rank == 0 and callable(getattr(hf_config, "save_pretrained", None)):
         hf_config.save_pretrained(str(path))  # type: ignore[union-attr]
     backend.barrier()

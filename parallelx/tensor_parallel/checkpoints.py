@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from parallelx.errors import ParallelxError
+from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import StateIO, plain_key
 from parallelx.tensor_parallel.part import Layout, TensorParallel, local_slice
 
-__all__ = ["TensorParallelStateIO"]
+__all__ = ["TensorParallelShards", "TensorParallelStateIO"]
 
 
 class TensorParallelStateIO(StateIO):
@@ -155,3 +156,33 @@ class TensorParallelStateIO(StateIO):
 def _sliced(value: Any, layout: Layout) -> bool:
     # A step count or a scalar is whole; moments have the parameter's shape.
     return isinstance(value, torch.Tensor) and value.dim() > layout.dim
+
+
+class TensorParallelShards(ParameterShards):
+    """A weight average's view (:class:`parallelx.EMA`) of a split model: ``inner``'s (the engine's)
+    shares, with the split tensors whole when gathered and cut again when scattered."""
+
+    sharded = True
+
+    def __init__(self, inner: ParameterShards, tp: TensorParallel) -> None:
+        super().__init__(inner.module)
+        self.inner, self.tp = inner, tp
+        self.layouts = {plain_key(k): v for k, v in tp.layouts(inner.module).items()}
+
+    def local(self) -> dict[str, torch.Tensor]:
+        return self.inner.local()
+
+    def gather(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        whole = self.inner.gather(shards)
+        return {n: self.tp.gather(t, self.layouts[n]) if n in self.layouts else t for n, t in whole.items()}
+
+    def scatter(self, whole: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rank, size = self.tp.mesh.tp_rank, self.tp.size
+        cut = {
+            n: local_slice(t, self.layouts[n].dim, self.layouts[n].parts, rank, size) if n in self.layouts else t
+            for n, t in whole.items()
+        }
+        return self.inner.scatter(cut)
+
+    def written(self) -> None:
+        self.inner.written()

@@ -42,6 +42,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from parallelx.errors import ParallelxError
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import plain_key
+from parallelx.tensor_parallel.checkpoints import TensorParallelShards
 
 if TYPE_CHECKING:
     from parallelx.backend import Backend
@@ -94,6 +95,8 @@ class EMA:
         self.avg_fn: MultiAvgFn = multi_avg_fn or get_ema_multi_avg_fn(self.decay)
         #: The model's parameters as this rank holds them (whole, or this rank's slices).
         self.shards: ParameterShards = backend.strategy.parameter_shards(model)
+        if backend.tensor_parallel is not None:  # the split layers' slices whole in the average's checkpoints
+            self.shards = TensorParallelShards(self.shards, backend.tensor_parallel)
         #: The average: this rank's share of each parameter, by plain name.
         self.weights: dict[str, torch.Tensor] = {n: t.clone() for n, t in self.shards.local().items()}
         #: The buffers (whole on every backend), by plain name.
