@@ -168,7 +168,9 @@ def main() -> int:
     base = results[args.configs[0]]
     reference = base[0]["losses"]
     print(f"\njob {args.job}: {JOBS[args.job]}, 4 processes, {args.steps} steps after 1, {args.rounds} rounds")
-    print("| configuration | step (s) | x first | peak RSS / rank (GiB) | x first | held / rank (MiB) | estimate (MiB) |")
+    print(
+        "| configuration | step (s) | x first | peak RSS / rank (GiB) | x first | held / rank (MiB) | estimate (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for config, runs in results.items():
         step = statistics.median(run["step_s"] for run in runs)

@@ -186,7 +186,14 @@ class TensorParallel:
                 self._partial_ids.add(id(p))
 
     def layouts(self, model: nn.Module) -> dict[str, Layout]:
-        return self._layouts.get(model, {})
+        """The split tensors of ``model`` by name: a model set up, or a module inside one (its names)."""
+        if model in self._layouts:
+            return self._layouts[model]
+        for root, layouts in self._layouts.items():
+            for prefix, sub in root.named_modules():
+                if sub is model and prefix:
+                    return {n[len(prefix) + 1 :]: v for n, v in layouts.items() if n.startswith(f"{prefix}.")}
+        return {}
 
     def models(self) -> list[nn.Module]:
         """The models split so far (still alive)."""

@@ -13,7 +13,10 @@ twice or a broadcast that overwrote a rank's slices moved the weights by 0.04 to
 building this).
 
 The checkpoints move: each launch resumes the one before it (another degree, another backend) and
-continues one more window, which equals its own uninterrupted run within the floor.
+continues one more window, which equals its own uninterrupted run within the floor.  And the rest
+of a script: a weight average (``parallelx.EMA``) whose checkpoint holds whole tensors,
+``save_pretrained`` read back by ``transformers``, ``make_sampler`` / ``gather_in_order`` /
+``MetricSums`` by the data-parallel rank, activation checkpointing (one launch).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ FACTOR = 4.0
 LAUNCHES = {
     "ddp-tp2": ("ddp", 2, ["--tensor-parallel", "2"], None),
     "fsdp-tp2xdp2-sp": ("fsdp", 4, ["--tensor-parallel", "2", "--sequence-parallel"], "ddp-tp2"),
-    "ddp-tp2xdp2": ("ddp", 4, ["--tensor-parallel", "2"], "fsdp-tp2xdp2-sp"),
+    "ddp-tp2xdp2": ("ddp", 4, ["--tensor-parallel", "2", "--activation-checkpointing"], "fsdp-tp2xdp2-sp"),
     "fsdp-tp2": ("fsdp", 2, ["--tensor-parallel", "2"], "ddp-tp2xdp2"),
     "ddp-tp1": ("ddp", 2, [], "fsdp-tp2xdp2-sp"),  # a 2D checkpoint at tensor parallel 1
     "fsdp-tp2xdp2": ("fsdp", 4, ["--tensor-parallel", "2"], "ddp-tp2"),
@@ -89,3 +92,11 @@ def test_each_model_matches_one_process_and_its_checkpoint_moves(name, runs, tmp
     if tp > 1:
         assert all("read different batches" in (r["peers_caught"] or "") for r in reports), reports[0]["peers_caught"]
         assert "backend.mesh.data_rank" in reports[0]["peers_caught"]
+        rest = [r["everything_else"] for r in reports]
+        assert all(e["ema_whole"] for e in rest), "the weight average's checkpoint holds slices"
+        assert rest[0]["pretrained_logits"] < 1e-5, rest[0]  # transformers reads save_pretrained's folder
+        for rank, e in enumerate(rest):  # a group's ranks read the same shard; the shards cover the data once
+            assert e["sampler"] == rest[(rank // tp) * tp]["sampler"]
+            assert e["gathered_in_order"] and e["metric_count"] == 11, e
+        shards = [i for e in rest[::tp] for i in e["sampler"]]
+        assert sorted(set(shards)) == list(range(11))

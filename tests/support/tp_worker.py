@@ -139,6 +139,46 @@ def train(backend: parallelx.Backend, build: Any, batches: list[Any]) -> tuple[n
     return model, opt, losses
 
 
+def everything_else(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
+    """The rest of a script under tensor parallelism: a weight average, save_pretrained read back by
+    transformers, the sampler, gathering in dataset order and MetricSums counting each sample once."""
+    seen: dict[str, Any] = {}
+    torch.manual_seed(0)
+    model = LlamaLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = backend.setup(model, opt)
+    ema = parallelx.EMA(backend, model, decay=0.5)
+    for x, y in backend.batches(mine(backend, data(3)[:ACCUMULATE])):
+        backend.backward(loss_of(model, x, y))
+        if backend.step(opt) is not None:
+            ema.update()
+    whole = backend.model_state_dict(model)
+    averaged = ema.model_state_dict()
+    seen["ema_whole"] = all(tuple(averaged[k].shape) == tuple(v.shape) for k, v in whole.items() if k in averaged)
+    folder = out / "pretrained"
+    inner = backend.unwrap(model).inner
+    parallelx.save_pretrained(backend, inner, folder)
+    x = data(4)[0][0][:2]
+    with torch.no_grad():
+        ours = model(x)
+    if backend.rank == 0:
+        from transformers import LlamaForCausalLM
+
+        with torch.no_grad():
+            theirs = LlamaForCausalLM.from_pretrained(folder).eval()(input_ids=x).logits
+        seen["pretrained_logits"] = float((theirs - ours).abs().max() / ours.abs().max())
+    dataset = torch.utils.data.TensorDataset(torch.arange(11.0))
+    sampler = backend.make_sampler(dataset, shuffle=True, seed=3)
+    order = list(sampler)  # one pass (each pass shuffles anew)
+    mine_rows = torch.tensor([float(i) for i in order])
+    seen["sampler"] = [int(i) for i in order]
+    seen["gathered_in_order"] = backend.gather_in_order(mine_rows, sampler).tolist() == list(range(11))
+    sums = parallelx.MetricSums(sampler)  # the padding masked by position
+    sums.update(mine_rows, None)
+    seen["metric_count"] = sums.compute(backend)["count"]
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -194,6 +234,8 @@ def main() -> None:
                 entry["resumed_vs_uninterrupted"] = rel(a, b)
                 entry["resumed_vs_saved_run"] = rel(saved["model"], whole)
             report[name] = entry
+        if backend.mesh.tp_size > 1:
+            report["everything_else"] = everything_else(backend, args.out)
         # A loader keyed by backend.rank gives the peers of a tensor-parallel group different batches.
         if backend.mesh.tp_size > 1:
             torch.manual_seed(0)
