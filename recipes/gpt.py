@@ -32,7 +32,7 @@ collective) and rank 0 prints them.
 Batch arithmetic: ``--batch-size`` sequences of ``--block-size`` characters per
 process and micro-batch, so an optimizer step takes ``batch_size x block_size
 x world_size x accumulate`` tokens: 32 x 64 x 2 = 4,096 with the defaults on 2
-processes.  Hardware and time: the defaults (0.46 M parameters, 150,000
+processes (under ``--tensor-parallel N`` a group of N processes reads one batch: world_size / N).  Hardware and time: the defaults (0.46 M parameters, 150,000
 generated characters, 3 epochs: 99 optimizer steps at 2 processes) are sized
 for 2 CPU cores, ``torchrun --nproc-per-node 2 -m recipes.gpt --backend ddp``:
 about a minute on idle cores (1 to 2 minutes measured on a shared 2-core
@@ -225,7 +225,8 @@ def train(
     scheduler = make_scheduler(
         optimizer, "cosine", steps=total_steps, warmup_steps=args.warmup_steps, floor=args.min_lr / args.lr
     )
-    tokens_per_batch = args.batch_size * args.block_size * backend.world_size  # every rank's micro-batch
+    # Every data-parallel rank's micro-batch (a tensor-parallel group reads one).
+    tokens_per_batch = args.batch_size * args.block_size * backend.mesh.data_size
     out_dir = args.out_dir
     make_out_dir(backend, out_dir)
     since = time.perf_counter()

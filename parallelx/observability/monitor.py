@@ -68,6 +68,8 @@ class WatchedRun(Protocol):
 
     name: str
     options: LoopOptions
+    #: Where this process stands in the data x tensor-parallel grid (None before init).
+    mesh: Any
 
     @property
     def joined(self) -> World | None: ...
@@ -266,6 +268,7 @@ class Monitor:
                 peak=peak,
                 tokens_per_sample=o.tokens_per_sample,
                 count_flops=o.count_flops and o.flops_per_sample is None,
+                readers=self.run.mesh.tp_size if self.run.mesh is not None else 1,
             )
             if o.flops_per_sample is not None:
                 self.meter.flops_per_sample = float(o.flops_per_sample)

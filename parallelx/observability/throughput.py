@@ -232,8 +232,11 @@ class StepMeter:
         peak: float | None,
         tokens_per_sample: int | None = None,
         count_flops: bool = True,
+        readers: int = 1,
     ) -> None:
         self.world_size = world_size
+        #: How many ranks read each sample (a tensor-parallel group): the summed samples counted once.
+        self.readers = readers
         self.reduce_sum = reduce_sum
         self.peak = peak
         self.tokens_per_sample = tokens_per_sample
@@ -348,6 +351,7 @@ class StepMeter:
         self._reset(now)
         total = self.reduce_sum(torch.tensor(mine, dtype=torch.float64)).tolist()
         samples, wall_sum, data, fb, opt, flops, unknown = total
+        samples /= self.readers  # each rank's FLOPs are its own (a split layer's share): summed as they are
         n = self.world_size
         wall = wall_sum / n  # every rank's interval spans the same steps: their mean is the job's
         out: dict[str, float] = {
