@@ -42,11 +42,13 @@ SYNC_EXCESS_LIMIT = 0.5
 #: The transformers section's GPT options: what CUDA changes under them is inductor's Triton kernels,
 #: the recomputation's replay of CUDA's random numbers, the copies between GPU and CPU memory.
 COMPILE, CHECKPOINTING, OFFLOAD = ("--compile",), ("--activation-checkpointing", "auto"), ("--cpu-offload",)
+#: Tensor parallelism over the visible GPUs (NCCL): 2 ranks split each block, the rest data parallel.
+TENSOR_PARALLEL = ("--tensor-parallel", "2")
 #: The GPT recipe on each backend with each option, every one after its twin without (``()``); DeepSpeed
 #: at ZeRO-3, whose forward gathers the weights as fsdp's does.
 GPT_CASES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "ddp": ((), COMPILE),
-    "fsdp": ((), COMPILE, CHECKPOINTING, OFFLOAD),
+    "ddp": ((), COMPILE, TENSOR_PARALLEL),
+    "fsdp": ((), COMPILE, CHECKPOINTING, OFFLOAD, TENSOR_PARALLEL),
     "deepspeed": ((), COMPILE, CHECKPOINTING, OFFLOAD),
 }
 GPT_BACKEND_ARGS: dict[str, tuple[str, ...]] = {"deepspeed": ("--zero-stage", "3")}

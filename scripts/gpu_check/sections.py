@@ -36,6 +36,7 @@ from .check import (
     RESERVE_S,
     ROOT,
     SYNC_EXCESS_LIMIT,
+    TENSOR_PARALLEL,
     Check,
     Fail,
     Item,
@@ -526,7 +527,15 @@ class GpuCheck(Check):
         for backend, options in GPT_CASES.items():
             for option in options:
                 name = " ".join(["gpt on", backend, *GPT_BACKEND_ARGS.get(backend, ()), *option])
-                if not self.cuda and option in (COMPILE, OFFLOAD):
+                if option == TENSOR_PARALLEL and (self.nproc < 2 or self.nproc % 2):
+                    self.skip(
+                        "transformers",
+                        name,
+                        f"tensor parallel 2 needs an even number of GPUs, at least 2; this machine shows {self.nproc} "
+                        "(tests/launcher/test_tensor_parallel.py runs it on the CPU)",
+                        needs="2 GPUs",
+                    )
+                elif not self.cuda and option in (COMPILE, OFFLOAD):
                     why = (
                         "inductor writes Triton kernels for the GPU (tests/launcher/test_compile.py compiles on the CPU)"
                         if option == COMPILE

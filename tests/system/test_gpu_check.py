@@ -233,6 +233,7 @@ def test_gpt_launches_parse_as_the_recipe_options(tmp_path):
                 assert args.compile == (option == check.COMPILE)
                 assert args.cpu_offload == (option == check.OFFLOAD)
                 assert args.activation_checkpointing == ("auto" if option == check.CHECKPOINTING else None)
+                assert args.tensor_parallel == (2 if option == check.TENSOR_PARALLEL else None)
                 assert args.zero_stage == 3 or backend != "deepspeed"
                 assert args.precision == ("bf16-mixed" if settings.cuda else None)  # None: float32
 
