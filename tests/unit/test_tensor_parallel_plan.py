@@ -151,3 +151,11 @@ def test_without_tensor_parallelism_the_mesh_is_the_world() -> None:
     with parallelx.get_backend("single", device="cpu", verbose=False) as backend:
         assert backend.mesh == Mesh(data_rank=0, data_size=1)
         assert backend.mesh.tp_size == 1 and not backend.mesh.tensor_parallel
+
+
+def test_the_check_says_it_does_not_take_tensor_parallel_yet() -> None:
+    from parallelx.check import command
+
+    args = argparse.Namespace(stages=None, backends=None)
+    with pytest.raises(ParallelxError, match="check: --tensor-parallel is not offered yet"):
+        command.main(args, ["train.py", "--tensor-parallel", "2"])
