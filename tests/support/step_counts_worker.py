@@ -58,12 +58,30 @@ def main() -> int:
                 losses.append(float(loss))
                 entry[impl] = {**counts.as_dict(), "losses": losses}
             report[engine] = entry
+    if args.launcher == "torchrun":
+        report["precisions"] = precisions(job)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def precisions(job: engine_steps.Job) -> dict[str, dict]:
+    """parallelx's fsdp step counted under bf16-mixed (autocast over float32 FSDP2: float32 gathers) and
+    bf16-compute (FSDP2 gathers bfloat16 copies, reduces float32 gradients)."""
+    import parallelx
+
+    seen: dict[str, dict] = {}
+    for precision in ("bf16-mixed", "bf16-compute"):
+        with parallelx.get_backend("fsdp", precision=precision, device="cpu", verbose=False) as backend:
+            step = engine_steps.px_step(backend, job)[0]
+            for i in range(WARMUP):
+                step(*engine_steps.batch(job, backend.rank, i, backend.device))
+            _, counts = engine_steps.count_step(step, *engine_steps.batch(job, backend.rank, WARMUP, backend.device))
+            seen[precision] = counts.as_dict()
+    return seen
 
 
 if __name__ == "__main__":
