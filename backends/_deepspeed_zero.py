@@ -275,6 +275,7 @@ def global_grad_norm(
     *,
     exact: bool,
     spread: Collection[int] = (),
+    per_parameter: bool = False,
 ) -> torch.Tensor:
     """The 2-norm of the whole averaged gradient, taken as
     ``torch.nn.utils.get_total_norm`` takes it on one process: each
@@ -290,7 +291,8 @@ def global_grad_norm(
     root of its slices' squares, which differs from torch's in the order of
     additions only.  ``all_reduce`` sums a tensor over the ranks.  ``spread``: the ids of
     parameters that are other tensors on other ranks at the same position (DeepSpeed's MoE
-    experts), whose squares add up but whose slices are never put together."""
+    experts), whose squares add up but whose slices are never put together.  ``per_parameter``: each
+    parameter's norm instead (in the order of ``params``)."""
     if not params:
         return torch.zeros(())
     index = {id(p): i for i, p in enumerate(params)}
@@ -319,7 +321,7 @@ def global_grad_norm(
         flat = all_reduce(flat)  # each element comes from one rank, zeros from the others: exact
         whole = [flat.narrow(0, starts[i], n) for i, n in zip(split, sizes)]
         per_param[split] = torch.stack(torch._foreach_norm(whole, 2.0)).to(dtype)
-    return torch.linalg.vector_norm(per_param, 2.0)
+    return per_param if per_parameter else torch.linalg.vector_norm(per_param, 2.0)
 
 
 def whole_gradients(

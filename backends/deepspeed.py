@@ -62,6 +62,7 @@ from parallelx.parts.gradsync import (
 )
 from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.loop import LoopOptions
+from parallelx.parts.mesh import Mesh
 from parallelx.parts.precision import EnginePrecision, Precision
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.state import (
@@ -72,7 +73,7 @@ from parallelx.parts.state import (
 )
 from parallelx.parts.stateio import StateIO, Unwrap, keyed_like, named_parameters
 from parallelx.strategies.process_group import ProcessGroupStrategy
-from parallelx.strategy import BackendSpec, Joined, unwrap
+from parallelx.strategy import BackendSpec, Joined, Run, unwrap
 
 from . import _deepspeed_zero as zero_state
 from ._allocator import after_first_step, return_freed_memory
@@ -143,6 +144,42 @@ DEEPSPEED = Launcher(
 )
 
 
+class MeshUnit:
+    """DeepSpeed's model-parallel unit (``mpu``) over parallelx's mesh: ZeRO partitions and averages
+    over the data-parallel ranks, its checkpoints and clipping know the tensor-parallel ones."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mesh.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mesh.tp_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mesh.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return torch.distributed.get_global_rank(self.mesh.tp_group, 0)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.data_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mesh.data_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.mesh.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return torch.distributed.get_process_group_ranks(self.mesh.dp_group)
+
+
 class DeepSpeedStrategy(ProcessGroupStrategy):
     spec = BackendSpec(
         name="deepspeed",
@@ -155,6 +192,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         # DeepSpeed's CPU all-reduce polls shared memory with no timeout.
         needs_watchdog=True,
         offloads=True,
+        # ZeRO 0-2 over the data-parallel ranks, DeepSpeed told the groups through its model-parallel unit.
+        tensor_parallel=True,
         install_hint=INSTALL_HINT,
         probe_code=(
             "import deepspeed; from deepspeed.accelerator import get_accelerator; "
@@ -363,6 +402,18 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         assert self.sync is not None, "join() made it"
         return self.sync
 
+    def bind(self, run: Run) -> LoopOptions:
+        options = super().bind(run)  # the engine's config, its stage
+        tp = run.tensor_parallel_size
+        if tp > 1 and self.zero_stage == 3:
+            raise ParallelxError(
+                f"deepspeed: --tensor-parallel {tp} with ZeRO-3: DeepSpeed trains tensor parallelism with ZeRO 0, 1 "
+                "and 2 only (ZeRO-3 partitions each layer's slices again, which its engine does not put together): "
+                f"use --zero-stage 1 or 2, or --backend fsdp --tensor-parallel {tp} (2D: tensor parallel x FSDP2, "
+                "sharded as ZeRO-3 shards)"
+            )
+        return options
+
     def shutdown(self, *, failed: bool) -> None:
         if not failed:
             self.run.comm.barrier()  # every rank is done with the buffers
@@ -447,7 +498,18 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # them without one ("zero stage 1 requires an optimizer"); a model that is only run (a frozen
             # teacher, an evaluation copy) has neither, and its stage-0 engine holds the same whole weights.
             config = {**config, "zero_optimization": {"stage": 0}}
-        engine, ds_optimizer, _, _ = self.ds.initialize(model=wrapped.module, optimizer=optimizer, config=config)
+        mesh = self.run.mesh
+        mpu = MeshUnit(mesh) if mesh is not None and mesh.tensor_parallel else None
+        if mpu is None:
+            self.ds.utils.groups.mpu = None  # an earlier engine's groups in this process are not this one's
+        elif expert_layers(wrapped.module):
+            raise ParallelxError(
+                "deepspeed: --tensor-parallel with DeepSpeed's MoE layer is not offered: its expert groups are "
+                "made over the whole world; leave --tensor-parallel out"
+            )
+        engine, ds_optimizer, _, _ = self.ds.initialize(
+            model=wrapped.module, optimizer=optimizer, config=config, mpu=mpu
+        )
         if self.run.compile_options.enabled:
             engine.compile(compile_kwargs=self.run.compile_options.kwargs)
         object.__setattr__(wrapped, "_engine", engine)
@@ -589,6 +651,18 @@ class DeepSpeedSync(GradientSync):
         ds = cast(DeepSpeedOptimizer, optimizer)
         slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
         params = model_order(ds.trained_params, self.models())
+        tp = self.tensor_parallel
+        if tp is not None:
+            # ZeRO partitions over the data-parallel ranks: each parameter's norm as that group holds it
+            # (a split layer's slice), then a split one's squares summed over the tensor-parallel group.
+            data_comm = tp.mesh.data_comm
+            per_param = zero_state.global_grad_norm(
+                slices, params, lambda t: summed_per_parameter(data_comm, t), exact=False, per_parameter=True
+            )
+            norm = tp.combine_norms(per_param, params)
+            if max_norm is not None:
+                zero_state.clip_(slices, max_norm, norm)
+            return norm
         experts = self.experts(ds.model.module)
         norm = zero_state.global_grad_norm(
             slices,

@@ -154,6 +154,9 @@ class TensorParallel:
                 if layer.bias is not None and split.style == "colwise":
                     layer.bias.data = local_slice(layer.bias.data, 0, split.parts, rank, size).clone()
                     layouts[f"{name}.bias"] = Layout(0, split.parts)
+            for p in (layer.weight, layer.bias if split.style == "colwise" else None):
+                if p is not None:  # the mark Megatron-LM and DeepSpeed read (their clipping counts it per slice)
+                    p.tensor_model_parallel = True  # type: ignore[attr-defined]
             layer.__class__ = ColwiseLinear if split.style == "colwise" else RowwiseLinear
             layer.tp_group = self.group
             layer.sequence_parallel = self.sequence_parallel  # type: ignore[assignment]
@@ -352,6 +355,16 @@ class TensorParallel:
         whole = list(shape)
         whole[layout.dim] *= self.size
         return tuple(whole)
+
+    def combine_norms(self, per_param: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The global 2-norm from each parameter's norm as this rank's data-parallel group holds it: a
+        split parameter's squares summed over the tensor-parallel group, a whole one's counted once."""
+        sq = per_param.double() ** 2
+        split = torch.tensor([self.is_split(p) for p in params], dtype=torch.bool, device=sq.device)
+        pair = torch.stack([sq[split].sum(), sq[~split].sum()])
+        summed = pair.clone()
+        dist.all_reduce(summed, group=self.group)
+        return (summed[0] + pair[1]).sqrt().to(per_param.dtype)
 
     def total_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """The global 2-norm of the gradients: a split gradient's squares summed over the group, a whole

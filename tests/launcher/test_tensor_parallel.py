@@ -1,8 +1,9 @@
-"""``--tensor-parallel`` under torchrun (``tests/support/tp_worker.py``): the recipe's GPT, nanoGPT's
-model and a Llama from ``transformers`` (RoPE, RMSNorm, SwiGLU, grouped-query attention) trained 3
-AdamW steps (two parameter groups, accumulation 2, clipping active at 0.05) through parallelx at
-tensor parallel 2 (2 processes) and 2 x data parallel 2 (4 processes), on ddp and fsdp, with and
-without ``--sequence-parallel``, each against one process computing the global batch.
+"""``--tensor-parallel`` under torchrun and the deepspeed launcher (``tests/support/tp_worker.py``): the
+recipe's GPT, nanoGPT's model and a Llama from ``transformers`` (RoPE, RMSNorm, SwiGLU, grouped-query
+attention) trained 3 AdamW steps (two parameter groups, accumulation 2, clipping active at 0.05)
+through parallelx at tensor parallel 2 (2 processes) and 2 x data parallel 2 (4 processes), on ddp,
+fsdp and DeepSpeed ZeRO 1 and 2, with and without ``--sequence-parallel``, each against one process
+computing the global batch.
 
 The tolerance is measured in the same process, every launch: the floor is the largest relative
 difference per tensor between the one-process reference and the same run with its sums in other
@@ -40,8 +41,10 @@ LAUNCHES = {
     "fsdp-tp2": ("fsdp", 2, ["--tensor-parallel", "2"], "ddp-tp2xdp2"),
     "ddp-tp1": ("ddp", 2, [], "fsdp-tp2xdp2-sp"),  # a 2D checkpoint at tensor parallel 1
     "fsdp-tp2xdp2": ("fsdp", 4, ["--tensor-parallel", "2"], "ddp-tp2"),
+    "deepspeed-zero1-tp2": ("deepspeed", 2, ["--zero-stage", "1", "--tensor-parallel", "2"], "ddp-tp2"),
+    "deepspeed-zero2-tp2xdp2": ("deepspeed", 4, ["--zero-stage", "2", "--tensor-parallel", "2"], "fsdp-tp2xdp2-sp"),
 }
-QUICK = ("ddp-tp2", "fsdp-tp2xdp2-sp")
+QUICK = ("ddp-tp2", "fsdp-tp2xdp2-sp", "deepspeed-zero1-tp2")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def run(name: str, runs: dict[str, tuple[Path, list[dict]]], tmp_path_factory) -
     out = tmp_path_factory.mktemp(f"tp-{name}")
     extra = ["--resume-from", str(runs[resume][0])] if resume is not None else []
     res = launch(
-        "torchrun",
+        "deepspeed" if backend == "deepspeed" else "torchrun",
         ["tests/support/tp_worker.py", "--backend", backend, "--out", str(out), "--device", "cpu", *options, *extra],
         nproc=n,
         timeout=360,

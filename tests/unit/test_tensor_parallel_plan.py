@@ -128,7 +128,7 @@ def test_the_degree_must_divide_the_world() -> None:
         check_degree(3, 4, "fsdp")
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "horovod", "deepspeed"])
+@pytest.mark.parametrize("name", ["single", "dp", "horovod"])
 def test_backends_without_tensor_parallelism_refuse_it_at_init_by_name(name: str) -> None:
     backend = parallelx.get_backend(name, tensor_parallel=2, device="cpu", verbose=False)
     with pytest.raises(
@@ -159,3 +159,9 @@ def test_the_check_says_it_does_not_take_tensor_parallel_yet() -> None:
     args = argparse.Namespace(stages=None, backends=None)
     with pytest.raises(ParallelxError, match="check: --tensor-parallel is not offered yet"):
         command.main(args, ["train.py", "--tensor-parallel", "2"])
+
+
+def test_deepspeed_refuses_zero_3_with_tensor_parallel_when_built() -> None:
+    with pytest.raises(ParallelxError, match=r"ZeRO 0, 1 and 2 only .* --zero-stage 1 or 2, or --backend fsdp"):
+        parallelx.get_backend("deepspeed", zero_stage=3, tensor_parallel=2)
+    parallelx.get_backend("deepspeed", zero_stage=2, tensor_parallel=2)  # built; the launch tests train it
