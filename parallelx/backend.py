@@ -310,7 +310,7 @@ class Backend:
             raise ParallelxError(
                 f"{spec.name} cannot split layers over ranks (--tensor-parallel {run.tensor_parallel_size}): "
                 "tensor parallelism runs on fsdp (2D: tensor parallel inside, FSDP2 sharding over the data-parallel "
-                "ranks) and ddp (tensor parallel inside, DDP over the data-parallel ranks): start the same script "
+                "ranks), ddp (DDP over the data-parallel ranks) and deepspeed at ZeRO 0-2: start the same script "
                 f"with `torchrun --nproc-per-node N ... --backend fsdp --tensor-parallel {run.tensor_parallel_size}`, "
                 "or leave --tensor-parallel out (docs/tensor-parallel.md)"
             )

@@ -386,7 +386,7 @@ def add_arguments(
         type=positive_int,
         default=None,
         metavar="N",
-        help="split each transformer block's layers over N ranks (tensor parallelism; fsdp and ddp): the "
+        help="split each transformer block's layers over N ranks (tensor parallelism; fsdp, ddp, deepspeed ZeRO 0-2): the "
         "world becomes world/N data-parallel x N tensor-parallel ranks, and the N ranks of a group read the "
         "same batch (default: 1)" + NONE_IN_WORDS,
     )
