@@ -257,6 +257,16 @@ def refuse_engine_sections(user: Mapping[str, Any]) -> None:
     its minimum (0 by default) when the engine is built, a scheduler the script then builds on the
     optimizer takes that as its base lr, and the run trains at lr 0.  Without an optimizer given to
     setup the section would give this backend alone an optimizer the script never steps."""
+    autotp = user.get("tensor_parallel")
+    if isinstance(autotp, Mapping) and int(autotp.get("autotp_size", 1) or 1) > 1:
+        # DeepSpeed's AutoTP splits the layers inside deepspeed.initialize, unseen by parallelx: the
+        # data would still follow the process's rank, and the checkpoints would hold slices.
+        raise ParallelxError(
+            f"deepspeed: the config's tensor_parallel section (autotp_size {autotp['autotp_size']}) is DeepSpeed's own "
+            "tensor parallelism, which parallelx does not see (each rank would read its own batch, checkpoints "
+            f"would hold slices): remove the section and give --tensor-parallel {autotp['autotp_size']} "
+            "(tensor_parallel= in get_backend), the same plan on every backend (docs/tensor-parallel.md)"
+        )
     sections = [k for k in ("optimizer", "scheduler") if k in user]
     if not sections:
         return

@@ -165,3 +165,9 @@ def test_deepspeed_refuses_zero_3_with_tensor_parallel_when_built() -> None:
     with pytest.raises(ParallelxError, match=r"ZeRO 0, 1 and 2 only .* --zero-stage 1 or 2, or --backend fsdp"):
         parallelx.get_backend("deepspeed", zero_stage=3, tensor_parallel=2)
     parallelx.get_backend("deepspeed", zero_stage=2, tensor_parallel=2)  # built; the launch tests train it
+
+
+def test_deepspeeds_own_autotp_section_is_refused_with_the_option_that_replaces_it() -> None:
+    config = {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}
+    with pytest.raises(ParallelxError, match=r"autotp_size 2\) is DeepSpeed's own .* give --tensor-parallel 2"):
+        parallelx.get_backend("deepspeed", config=config)
