@@ -351,7 +351,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     @classmethod
     def estimate_memory(cls, model: ModelCounts, world_size: int, training: Training) -> list[RankMemory]:
-        return [zero_memory(stage, model, world_size, training) for stage in (0, 1, 2, 3)]
+        stages = (0, 1, 2) if training.tensor_parallel > 1 else (0, 1, 2, 3)  # ZeRO-3 takes no tensor parallelism
+        return [zero_memory(stage, model, world_size, training) for stage in stages]
 
     @property
     def zero_stage(self) -> int:

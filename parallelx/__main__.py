@@ -15,6 +15,7 @@ python -m parallelx estimate MODULE:FUNCTION --world-sizes 2,4,8
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from parallelx.launching import envreport
 from parallelx.launching.runner import launch
 from parallelx.registry import available_backends, backend_class, describe, detect_backend, markdown_table
 from parallelx.strategy import BackendSpec
+from parallelx.tensor_parallel.plan import find_plan, split_shares
 
 
 @exit_on_error
@@ -109,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         help="eager: every rank builds the whole model (default); meta: built under parallelx.init_module()",
     )
     guess.add_argument("--backends", default=None, metavar="A,B", help="default: every backend registered")
+    guess.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each block's split layers over N ranks (the default plan or the model's tp_plan): the backends "
+        "that take it, at each world size N divides (default 1)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" is the script's (argparse's REMAINDER would also swallow -n and --dry-run).
     target = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -153,9 +163,19 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    training = estimate.Training(optimizer=args.optimizer, precision=args.precision, build=args.build)
+    tp = args.tensor_parallel
+    if tp < 1:
+        raise ParallelxError(f"--tensor-parallel must be at least 1, got {tp}")
+    training = estimate.Training(
+        optimizer=args.optimizer, precision=args.precision, build=args.build, tensor_parallel=tp
+    )
     model, what = estimate.build_on_meta(args.model)
-    counts = estimate.count_model(model)
+    shares = {}
+    if tp > 1:  # this rank's share of each split layer (nothing is changed: the plan is only read)
+        plan = find_plan(model, tp)
+        shares = split_shares(model, plan, tp)
+        what += f"; {plan.describe(tp)}"
+    counts = estimate.count_model(model, shares)
     names = [n for n in available_backends() if n != "auto"]
     if args.backends:
         asked = [n.strip() for n in args.backends.split(",") if n.strip()]
@@ -167,7 +187,17 @@ def _estimate(args: argparse.Namespace) -> int:
     for name in names:
         cls = backend_class(name)
         sizes = args.world_sizes if cls.spec.launcher.multi_process else [1]
-        found = [row for n in sizes for row in cls.estimate_memory(counts, n, training)]
+        if tp > 1:  # the data-parallel part of each world size; backends without tensor parallelism left out
+            if not cls.spec.tensor_parallel:
+                continue
+            found = [
+                dataclasses.replace(row, backend=f"{row.backend} tp{tp}", world_size=n)
+                for n in sizes
+                if n % tp == 0
+                for row in cls.estimate_memory(counts, n // tp, training)
+            ]
+        else:
+            found = [row for n in sizes for row in cls.estimate_memory(counts, n, training)]
         order = list(dict.fromkeys(row.backend for row in found))  # a backend's variants, each at every size
         rows += sorted(found, key=lambda row: (order.index(row.backend), row.world_size))
     print(estimate.describe(counts, what))

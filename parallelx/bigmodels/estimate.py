@@ -30,7 +30,7 @@ import importlib.util
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,8 @@ class Training:
     #: ``eager``: every rank builds the whole model, then sets it up; ``meta``: built on the meta device and
     #: materialised by the backend (each rank its share where the backend shards).
     build: str = "eager"
+    #: Ranks that split each block's layers (the counts given are already one rank's share).
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -229,16 +231,22 @@ def layout(
 
 
 # ------------------------------------------------------------------ counting
-def count_model(model: nn.Module) -> ModelCounts:
-    """Count ``model``'s parameters and buffers (on any device, meta included: nothing is read)."""
+def count_model(model: nn.Module, shares: Mapping[int, int] | None = None) -> ModelCounts:
+    """Count ``model``'s parameters and buffers (on any device, meta included: nothing is read).
+    ``shares``: how many ranks split a parameter (by ``id``; tensor parallelism): this rank's part counted."""
     params = dict(model.named_parameters())  # remove_duplicate: a tied weight once
+    shares = shares or {}
+
+    def numel(t: torch.Tensor) -> int:
+        return t.numel() // shares.get(id(t), 1)
+
     by_dtype: dict[str, int] = {}
     for p in params.values():
         key = str(p.dtype).removeprefix("torch.")
-        by_dtype[key] = by_dtype.get(key, 0) + p.numel()
+        by_dtype[key] = by_dtype.get(key, 0) + numel(p)
 
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(numel(t) * t.element_size() for t in tensors)
 
     trainable = [p for p in params.values() if p.requires_grad]
     units = default_units(model)
@@ -247,15 +255,15 @@ def count_model(model: nn.Module) -> ModelCounts:
     for unit in units:
         own = [p for p in unit.parameters() if id(p) not in in_units]
         in_units.update(id(p) for p in own)
-        largest_unit = max(largest_unit, (nbytes(own), sum(p.numel() for p in own)))
+        largest_unit = max(largest_unit, (nbytes(own), sum(numel(p) for p in own)))
     return ModelCounts(
         numel_by_dtype=by_dtype,
         param_bytes=nbytes(params.values()),
-        trainable_numel=sum(p.numel() for p in trainable),
+        trainable_numel=sum(numel(p) for p in trainable),
         trainable_bytes=nbytes(trainable),
         buffer_bytes=nbytes(dict(model.named_buffers()).values()),
         largest_tensor_bytes=max((nbytes([p]) for p in params.values()), default=0),
-        largest_tensor_numel=max((p.numel() for p in params.values()), default=0),
+        largest_tensor_numel=max((numel(p) for p in params.values()), default=0),
         largest_unit_bytes=largest_unit[0],
         largest_unit_numel=largest_unit[1],
         root_bytes=nbytes(p for p in params.values() if id(p) not in in_units),

@@ -34,7 +34,7 @@ from torch import nn
 
 from parallelx.errors import ParallelxError
 
-__all__ = ["Plan", "Split", "find_plan"]
+__all__ = ["Plan", "Split", "find_plan", "split_shares"]
 
 STYLES = ("colwise", "rowwise", "replicate")
 # transformers' tp_plan values that keep a layer whole here (what they do needs DTensor layouts or
@@ -269,3 +269,17 @@ def _attention(
                 )
             fused.append(parent_name)
     return attention, fused
+
+
+def split_shares(model: nn.Module, plan: Plan, tp: int) -> dict[int, int]:
+    """Each split parameter (by ``id``) -> ``tp``, the ranks that share it: what the memory estimate
+    divides (:func:`parallelx.bigmodels.estimate.count_model`)."""
+    modules = dict(model.named_modules())
+    shares: dict[int, int] = {}
+    for name, split in plan.splits.items():
+        layer = modules[name]
+        assert isinstance(layer, nn.Linear)
+        shares[id(layer.weight)] = tp
+        if layer.bias is not None and split.style == "colwise":
+            shares[id(layer.bias)] = tp
+    return shares

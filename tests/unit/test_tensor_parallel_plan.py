@@ -171,3 +171,20 @@ def test_deepspeeds_own_autotp_section_is_refused_with_the_option_that_replaces_
     config = {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}
     with pytest.raises(ParallelxError, match=r"autotp_size 2\) is DeepSpeed's own .* give --tensor-parallel 2"):
         parallelx.get_backend("deepspeed", config=config)
+
+
+def test_the_estimate_counts_one_ranks_share_of_the_split_layers() -> None:
+    from parallelx.bigmodels.estimate import count_model
+    from parallelx.tensor_parallel.plan import split_shares
+
+    model = recipe_gpt()
+    plan = find_plan(model, 2)
+    whole = count_model(model)
+    split = sum(
+        t.numel()
+        for n, s in plan.splits.items()
+        for t in (dict(model.named_modules())[n].weight, dict(model.named_modules())[n].bias)
+        if t is not None and (s.style == "colwise" or t.dim() == 2)
+    )
+    share = count_model(model, split_shares(model, plan, 2))
+    assert share.numel == whole.numel - split // 2 and share.param_bytes == 4 * share.numel
