@@ -34,7 +34,7 @@ from parallelx.parts.mesh import Mesh
 from parallelx.tensor_parallel import comm
 from parallelx.tensor_parallel.plan import Plan, find_plan
 
-__all__ = ["ColwiseLinear", "RowwiseLinear", "TensorParallel", "local_slice", "whole_from_slices"]
+__all__ = ["ColwiseLinear", "RowwiseLinear", "TensorParallel", "VocabEmbedding", "local_slice", "whole_from_slices"]
 
 
 def local_slice(whole: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
@@ -63,7 +63,24 @@ class ColwiseLinear(nn.Linear):
             x = comm.copy_in(x, self.tp_group)
         elif getattr(self, "gathers", False):  # a layer straight inside a block: it gathers for itself
             x = comm.gather_sequence(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if getattr(self, "gathers_output", False):  # the output head: the script's loss sees whole logits
+            y = comm.join_sequence(y, self.tp_group, dim=-1)
+        return y
+
+
+class VocabEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` holding this rank's rows of the vocabulary: a token outside them looks up
+    zeros, and the ranks' lookups are summed (each token's row comes from one rank: exact)."""
+
+    tp_group: Any
+    vocab_start: int
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return comm.reduce_out(rows * inside.unsqueeze(-1).to(rows.dtype), self.tp_group)
 
 
 class RowwiseLinear(nn.Linear):
@@ -144,22 +161,42 @@ class TensorParallel:
                 dist.broadcast(t.data, src=0)
         layouts: dict[str, Layout] = {}
         rank, size = self.mesh.tp_rank, self.size
+        cut: set[int] = set()  # a tied weight (the embedding and the head) is one tensor: cut once
+
+        def keep_slice(p: torch.Tensor, dim: int, parts: int) -> None:
+            if id(p) not in cut:
+                p.data = local_slice(p.data, dim, parts, rank, size).clone()
+                cut.add(id(p))
+
         for name, split in plan.splits.items():
             layer = modules[name]
+            if split.style == "vocab":
+                assert isinstance(layer, nn.Embedding)
+                rows = layer.num_embeddings // size
+                with torch.no_grad():
+                    keep_slice(layer.weight, 0, 1)
+                layouts[f"{name}.weight"] = Layout(0)
+                layer.__class__ = VocabEmbedding
+                layer.tp_group, layer.num_embeddings = self.group, rows
+                layer.vocab_start = rank * rows  # type: ignore[assignment]
+                layer.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+                continue
             assert isinstance(layer, nn.Linear)
             dim = 0 if split.style == "colwise" else 1
             with torch.no_grad():
-                layer.weight.data = local_slice(layer.weight.data, dim, split.parts, rank, size).clone()
+                keep_slice(layer.weight, dim, split.parts)
                 layouts[f"{name}.weight"] = Layout(dim, split.parts)
                 if layer.bias is not None and split.style == "colwise":
-                    layer.bias.data = local_slice(layer.bias.data, 0, split.parts, rank, size).clone()
+                    keep_slice(layer.bias, 0, split.parts)
                     layouts[f"{name}.bias"] = Layout(0, split.parts)
             for p in (layer.weight, layer.bias if split.style == "colwise" else None):
                 if p is not None:  # the mark Megatron-LM and DeepSpeed read (their clipping counts it per slice)
                     p.tensor_model_parallel = True  # type: ignore[attr-defined]
             layer.__class__ = ColwiseLinear if split.style == "colwise" else RowwiseLinear
             layer.tp_group = self.group
-            layer.sequence_parallel = self.sequence_parallel  # type: ignore[assignment]
+            # Sequence parallelism is the blocks' business; the head reads the joined sequence.
+            layer.sequence_parallel = self.sequence_parallel and split.in_blocks  # type: ignore[assignment]
+            layer.gathers_output = split.gather  # type: ignore[assignment]
             layer.out_features = layer.weight.shape[0]
             layer.in_features = layer.weight.shape[1]
         for name, heads in plan.attention.items():
@@ -286,10 +323,11 @@ class TensorParallel:
         # each column-wise layer gathers its own input.)
         modules = dict(model.named_modules())
         in_blocks = {id(b) for b in blocks}
-        for owner in sorted({n.rpartition(".")[0] for n, s in plan.splits.items() if s.style == "colwise"}):
+        colwise = {n: s for n, s in plan.splits.items() if s.style == "colwise" and s.in_blocks}
+        for owner in sorted({n.rpartition(".")[0] for n in colwise}):
             if id(modules[owner]) in in_blocks:
-                for n, s in plan.splits.items():
-                    if s.style == "colwise" and n.rpartition(".")[0] == owner:
+                for n in colwise:
+                    if n.rpartition(".")[0] == owner:
                         modules[n].gathers = True
             else:
                 modules[owner].register_forward_pre_hook(gather, with_kwargs=True)
@@ -387,7 +425,8 @@ class TensorParallel:
 
 def _blocks(model: nn.Module, plan: Plan) -> nn.ModuleList | None:
     """The model's list of blocks: an ``nn.ModuleList`` under which every split layer lives."""
+    inside = [n for n, s in plan.splits.items() if s.in_blocks]
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and all(s.startswith(f"{name}.") for s in plan.splits):
+        if isinstance(module, nn.ModuleList) and len(module) and all(s.startswith(f"{name}.") for s in inside):
             return module
     return None

@@ -36,11 +36,10 @@ from parallelx.errors import ParallelxError
 
 __all__ = ["Plan", "Split", "find_plan", "split_shares"]
 
-STYLES = ("colwise", "rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "replicate", "colwise_rep", "vocab")
 # transformers' tp_plan values that keep a layer whole here (what they do needs DTensor layouts or
 # vocabulary-parallel losses): said in the plan's line.
 _KEPT_WHOLE = {
-    "colwise_rep",
     "local_colwise",
     "local_rowwise",
     "local",
@@ -57,6 +56,8 @@ _KEPT_WHOLE = {
 _ATTN_COLWISE = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k", "v"}
 _ATTN_ROWWISE = {"o_proj", "out_proj", "wo", "c_proj", "dense", "proj", "o"}
 _FUSED_QKV = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "in_proj"}
+_TOKEN_EMBEDDINGS = {"wte", "embed_tokens", "tok_embeddings", "word_embeddings", "embed", "embedding", "tok_emb"}
+_HEADS = {"lm_head", "output", "head"}
 _MLP_COLWISE = {"c_fc", "fc1", "up_proj", "gate_proj", "w1", "w3", "fc_in", "w_in"}
 _MLP_ROWWISE = {"c_proj", "fc2", "down_proj", "w2", "fc_out", "w_out"}
 #: Attributes of an attention module that count heads: divided by the ranks.
@@ -76,10 +77,19 @@ HEAD_ATTRS = (
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One split layer: its style; ``parts`` for a fused layer (q, k and v in one weight: each part split alike)."""
+    """One split layer: its style; ``parts`` for a fused layer (q, k and v in one weight: each part split alike).
+
+    ``colwise`` with ``gather``: the output head (vocabulary shards of the logits, put together whole for
+    the script's loss, exactly); ``vocab``: an ``nn.Embedding`` whose rows (the vocabulary) are split."""
 
     style: str
     parts: int = 1
+    gather: bool = False
+
+    @property
+    def in_blocks(self) -> bool:
+        """A layer of a block (attention, MLP), not the embedding or the output head."""
+        return self.style in ("colwise", "rowwise") and not self.gather
 
 
 @dataclasses.dataclass
@@ -94,14 +104,17 @@ class Plan:
     source: str
 
     def describe(self, tp: int) -> str:
-        col = sum(s.style == "colwise" for s in self.splits.values())
+        col = sum(s.style == "colwise" and not s.gather for s in self.splits.values())
         row = sum(s.style == "rowwise" for s in self.splits.values())
+        vocab = sorted(n for n, s in self.splits.items() if s.style == "vocab" or s.gather)
         heads = sorted({f"{k} {v} -> {v // tp}" for attrs in self.attention.values() for k, v in attrs.items()})
         line = f"tensor parallel {tp} ({self.source}): {col} layers column-wise, {row} row-wise"
         if heads:
             line += f"; per rank: {', '.join(heads)}"
         if self.fused_attention:
             line += f"; fused q/k/v split by heads in {len(self.fused_attention)} attention modules"
+        if vocab:
+            line += f"; vocabulary split: {', '.join(vocab)}"
         if self.kept_whole:
             line += f"; kept whole: {', '.join(self.kept_whole[:4])}{' ...' if len(self.kept_whole) > 4 else ''}"
         return line
@@ -122,9 +135,9 @@ def find_plan(model: nn.Module, tp: int, given: Mapping[str, str] | None = None)
     elif isinstance(own, Mapping) and own:
         plan, source = _from_patterns(modules, own, f"{type(model).__name__}.tp_plan"), "the model's tp_plan"
     else:
-        plan, source = _default(modules), "the default plan"
+        plan, source = _default(modules, tp), "the default plan"
     splits, kept = plan
-    if not any(s.style == "colwise" for s in splits.values()):
+    if not any(s.in_blocks and s.style == "colwise" for s in splits.values()):
         raise ParallelxError(
             f"--tensor-parallel {tp}: {source} splits no layer of {type(model).__name__}: it finds attention "
             f"projections (q_proj/k_proj/v_proj/o_proj, a fused c_attn with c_proj) and MLPs (c_fc/c_proj, "
@@ -156,8 +169,13 @@ def _from_patterns(
             )
         for n in hits:
             base = n.rsplit(".", 1)[-1]
-            parts = 3 if style == "colwise" and base in _FUSED_QKV and _fused(modules[n]) else 1
-            splits[n] = Split(style, parts)
+            if isinstance(modules[n], nn.Embedding) and style in ("rowwise", "vocab"):
+                splits[n] = Split("vocab")  # transformers' "rowwise" embedding: its vocabulary split
+            elif style == "colwise_rep":  # transformers' head: colwise, the output gathered
+                splits[n] = Split("colwise", gather=True)
+            else:
+                parts = 3 if style == "colwise" and base in _FUSED_QKV and _fused(modules[n]) else 1
+                splits[n] = Split(style, parts)
     return splits, kept
 
 
@@ -165,7 +183,7 @@ def _fused(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and module.out_features == 3 * module.in_features
 
 
-def _default(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Split], list[str]]:
+def _default(modules: Mapping[str, nn.Module], tp: int) -> tuple[dict[str, Split], list[str]]:
     splits: dict[str, Split] = {}
     kept: list[str] = []
     for parent_name, parent in modules.items():
@@ -189,14 +207,44 @@ def _default(modules: Mapping[str, nn.Module]) -> tuple[dict[str, Split], list[s
                     splits[full[n]] = Split("colwise")
                 elif n in _MLP_ROWWISE:
                     splits[full[n]] = Split("rowwise")
+    # The token embedding and the output head (often one tied tensor, the largest of the model): their
+    # vocabulary split, where the ranks can share it equally; kept whole otherwise (said in the plan's line).
     for name, module in modules.items():
-        if isinstance(module, nn.Embedding) or name.endswith("lm_head"):
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in _TOKEN_EMBEDDINGS:
+            ok = module.num_embeddings % tp == 0 and module.padding_idx is None and module.max_norm is None
+            if ok and not module.sparse:
+                splits[name] = Split("vocab")
+            else:
+                kept.append(name)
+        elif type(module) is nn.Linear and leaf in _HEADS:
+            if module.out_features % tp == 0:
+                splits[name] = Split("colwise", gather=True)
+            else:
+                kept.append(name)
+        elif isinstance(module, nn.Embedding):
             kept.append(name)
     return splits, kept
 
 
 def _check_layer(name: str, module: nn.Module, split: Split, tp: int) -> None:
     kind = type(module).__name__
+    if split.style == "vocab":
+        if type(module) is not nn.Embedding:
+            raise ParallelxError(
+                f"--tensor-parallel {tp}: {name} is a {kind}: a vocabulary split takes an nn.Embedding"
+            )
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise ParallelxError(
+                f"--tensor-parallel {tp}: {name} has a padding_idx, max_norm or sparse gradients, which a split "
+                f"vocabulary does not keep: keep it whole with tp_plan={{{name!r}: 'replicate', ...}}"
+            )
+        if module.num_embeddings % tp:
+            raise ParallelxError(
+                f"--tensor-parallel {tp}: {name} has {module.num_embeddings} rows, which {tp} ranks cannot share "
+                f"equally: pad the vocabulary to a multiple of {tp}, or keep it whole"
+            )
+        return
     if type(module) is not nn.Linear:
         hint = (
             " (transformers' GPT-2 keeps its weights transposed in Conv1D: load it as a model whose layers are "
@@ -278,8 +326,8 @@ def split_shares(model: nn.Module, plan: Plan, tp: int) -> dict[int, int]:
     shares: dict[int, int] = {}
     for name, split in plan.splits.items():
         layer = modules[name]
-        assert isinstance(layer, nn.Linear)
         shares[id(layer.weight)] = tp
-        if layer.bias is not None and split.style == "colwise":
-            shares[id(layer.bias)] = tp
+        bias = getattr(layer, "bias", None)
+        if bias is not None and split.style == "colwise":
+            shares[id(bias)] = tp
     return shares

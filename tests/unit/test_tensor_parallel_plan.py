@@ -42,9 +42,11 @@ def test_the_default_plan_splits_attention_by_heads_and_the_mlp() -> None:
     assert styles["transformer.h.0.attn.c_proj"] == ("rowwise", 1)
     assert styles["transformer.h.1.mlp.c_fc"] == ("colwise", 1)
     assert styles["transformer.h.1.mlp.c_proj"] == ("rowwise", 1)
-    assert len(styles) == 8
+    # The tied embedding and head: the vocabulary split (one tensor, cut once), the logits gathered whole.
+    assert plan.splits["transformer.wte"].style == "vocab" and plan.splits["lm_head"].gather
+    assert len(styles) == 10
     assert plan.attention == {"transformer.h.0.attn": {"n_head": 4}, "transformer.h.1.attn": {"n_head": 4}}
-    assert "lm_head" in plan.kept_whole and "transformer.wte" in plan.kept_whole
+    assert plan.kept_whole == ["transformer.wpe"]
     assert "8 layers" not in plan.describe(2) and "4 layers column-wise, 4 row-wise" in plan.describe(2)
 
 
@@ -180,11 +182,13 @@ def test_the_estimate_counts_one_ranks_share_of_the_split_layers() -> None:
     model = recipe_gpt()
     plan = find_plan(model, 2)
     whole = count_model(model)
-    split = sum(
-        t.numel()
+    modules = dict(model.named_modules())
+    tensors = {
+        id(t): t
         for n, s in plan.splits.items()
-        for t in (dict(model.named_modules())[n].weight, dict(model.named_modules())[n].bias)
-        if t is not None and (s.style == "colwise" or t.dim() == 2)
-    )
+        for t in (modules[n].weight, getattr(modules[n], "bias", None))
+        if t is not None and (s.style != "rowwise" or t.dim() == 2)
+    }  # a tied weight once
+    split = sum(t.numel() for t in tensors.values())
     share = count_model(model, split_shares(model, plan, 2))
     assert share.numel == whole.numel - split // 2 and share.param_bytes == 4 * share.numel
