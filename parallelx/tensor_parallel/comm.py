@@ -17,12 +17,17 @@ any other parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["copy_in", "gather_sequence", "join_sequence", "reduce_out", "scatter_sequence", "split_sequence"]
+
+
+#: A collective over ``group`` along ``dim``.
+Op = Callable[[torch.Tensor, Any, int], torch.Tensor]
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -72,48 +77,17 @@ class _ReduceOut(torch.autograd.Function):
         return grad, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+class _Sequence(torch.autograd.Function):
+    """One collective along the sequence in the forward, its partner in the backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _JoinSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, there: Op, back: Op) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.back = group, dim, back
+        return there(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _own_chunk(grad, ctx.group, ctx.dim), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.back(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def copy_in(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -128,20 +102,20 @@ def reduce_out(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def gather_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """Every rank's sequence chunk put together; in the backward the gradient reduce-scattered."""
-    return _GatherSequence.apply(x, group, dim)
+    return _Sequence.apply(x, group, dim, _all_gather, _reduce_scatter)
 
 
 def join_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """Every rank's sequence chunk put together for a region every rank computes alike (after the
     last block): in the backward each rank keeps its chunk of the (equal) gradient."""
-    return _JoinSequence.apply(x, group, dim)
+    return _Sequence.apply(x, group, dim, _all_gather, _own_chunk)
 
 
 def scatter_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """The partial sums reduced and this rank's sequence chunk kept; in the backward all-gathered."""
-    return _ScatterSequence.apply(x, group, dim)
+    return _Sequence.apply(x, group, dim, _reduce_scatter, _all_gather)
 
 
 def split_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """This rank's chunk of a whole (replicated) ``x``; in the backward the chunks' gradients put together."""
-    return _SplitSequence.apply(x, group, dim)
+    return _Sequence.apply(x, group, dim, _own_chunk, _all_gather)
