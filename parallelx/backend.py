@@ -67,7 +67,7 @@ from parallelx.settings import (  # noqa: F401  (DEFAULT_TIMEOUT_S, DEVICES, RED
     default_timeout,
     limit_cpu_threads,
 )
-from parallelx.strategy import Options, Run, Strategy, unwrap
+from parallelx.strategy import Joined, Options, Run, Strategy, unwrap
 from parallelx.tensor_parallel.checkpoints import TensorParallelStateIO
 from parallelx.tensor_parallel.part import TensorParallel
 from parallelx.transforms import activations, buffers
@@ -357,7 +357,7 @@ class Backend:
         loop = self.loop = TrainingLoop(spec.name, self.grad_sync, joined.comm, run.watch, run, self.monitor)
         if self.tensor_parallel is not None and run.sequence_parallel:
             loop.add_boundary_hook(self.tensor_parallel.finish_gradients)
-        run.on_rejoin[:] = [lambda new: setattr(loop, "comm", new.comm)]
+        run.on_rejoin[:] = [self._rejoined]
         self._observers = [o for o in (make(self) for make in observers_from_environment()) if o is not None]
         self._virtual_ranks = max([o.virtual_ranks for o in self._observers], default=0)
         # Every rank's record compared on a timeout or an error (parallelx.forensics, docs/hangs.md).
@@ -696,6 +696,21 @@ class Backend:
         self.state_io.load_named_optimizer_state(model, optimizer, state)
 
     # ---------------------------------------------------------- elastic runs
+    def _rejoined(self, new: Joined) -> None:
+        """An elastic reset (Horovod's, in this process): everything that holds the world's rank and
+        size follows the new world, whose ranks may be fewer and renumbered.  Every rank calls it."""
+        run = self.strategy.run
+        if self.loop is not None:
+            self.loop.comm = new.comm
+        # The mesh's data-parallel collectives are what metrics and gathers reduce over: the old
+        # world's would sum a rank that is gone (an elastic world has no tensor parallelism).
+        run.mesh = self.strategy.make_mesh()
+        log.set_rank(new.rank)
+        forensics.stop()  # its store and world were the old world's
+        forensics.start(
+            new.rank, new.world_size, run.timeout_s, lambda obj: new.comm.broadcast(obj, 0), stacks_dir=run.stacks_dir
+        )
+
     def run_elastic(self, train: Any) -> Any:
         """Run ``train()``, again in the new world after a lost rank where the
         launcher can change the world (``horovodrun --min-np --max-np``);
