@@ -20,11 +20,11 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 import parallelx
-from parallelx import Backend, MetricSums, ParallelxError
+from parallelx import Backend, MetricSums, ParallelxError, storage
 
 from .common import make_scheduler, resume
 from .data import make_loader
-from .history import epoch_row, final_metrics, make_out_dir, write_history, write_outputs
+from .history import epoch_row, final_metrics, make_out_dir, shown, write_history, write_outputs
 
 
 def train(
@@ -163,13 +163,15 @@ def train(
             # val acc is all-reduced, so every rank takes this branch together: save is a collective.
             if v["acc"] > ckpt["best_acc"]:
                 ckpt["best_acc"], ckpt["best_epoch"] = v["acc"], epoch
-                backend.save(model, out_dir / "best.pth")
+                backend.save(model, storage.join(out_dir, "best.pth"))
             if backend.is_main():
                 write_history(out_dir, ckpt["history"])
     if ckpt.preempted:  # at an epoch's end
         return
 
-    backend.save(model, out_dir / "last.pth")  # the weights after the last step, a plain state_dict (collective)
+    backend.save(
+        model, storage.join(out_dir, "last.pth")
+    )  # the weights after the last step, a plain state_dict (collective)
     total = time.perf_counter() - since
     if backend.is_main():
         metrics = final_metrics(
@@ -184,5 +186,5 @@ def train(
         write_outputs(out_dir, metrics, ckpt["history"])
     backend.print(f"Training complete in {int(total // 60)}m {int(total % 60)}s")
     backend.print(f"Best val Acc: {ckpt['best_acc']:.4f}")
-    backend.print(f"outputs in {out_dir.resolve()}")
+    backend.print(f"outputs in {shown(out_dir)}")
     backend.barrier()

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 
 import parallelx
+from parallelx import storage
 from parallelx.errors import ParallelxError
 
 #: Seeds are used as ``seed + epoch`` and ``seed + 1000 * rank`` too; NumPy's
@@ -183,7 +184,13 @@ def base_parser(
             default=0.0,
             help="ramp the learning rate up linearly over this many epochs first (fractions allowed)",
         )
-    p.add_argument("--out-dir", type=Path, default=None, help="where outputs go (default: runs/<recipe>-<backend>)")
+    p.add_argument(
+        "--out-dir",
+        type=storage.location,
+        default=None,
+        help="where outputs go: a local folder or an object store's URL (s3://bucket/run, gs://..., az://...; "
+        "pip install 'parallelx[s3]') (default: runs/<recipe>-<backend>)",
+    )
     p.add_argument(
         "--checkpoint-every",
         type=positive_int,
@@ -199,7 +206,7 @@ def base_parser(
         metavar="{auto,PATH}",
         help="continue from a checkpoint: auto = the latest in --out-dir, or a fresh start when there is "
         "none (use it in launch lines, so that a restarted job resumes by itself); PATH = that "
-        "checkpoint directory. Also turns on epoch-end checkpoints and SIGTERM handling "
+        "checkpoint directory (or its URL). Also turns on epoch-end checkpoints and SIGTERM handling "
         "(default: start afresh)",
     )
     p.add_argument(
@@ -270,6 +277,8 @@ def check_resume(resume: str | None) -> None:
         return
     if not resume:
         raise ParallelxError("--resume needs 'auto' or the path of a checkpoint directory")
+    if storage.is_url(resume):
+        return  # read (and a missing one named) when it is loaded, on every rank alike
     if not Path(resume).exists():
         raise ParallelxError(
             f"--resume {resume}: no such checkpoint (a directory such as "
@@ -299,11 +308,14 @@ def check_data_dir(path: Path | None) -> None:
         raise ParallelxError(f"--data-dir {path} is a file; expected the directory that holds the dataset")
 
 
-def check_out_dir(path: Path, option: str = "--out-dir") -> None:
+def check_out_dir(path: storage.Location, option: str = "--out-dir") -> None:
     """``path`` is an existing writable directory, or one that can be created:
     its nearest existing ancestor is a writable directory.  Checked by
     writing a probe file, since ``os.access`` says yes to root even on a
-    read-only file system."""
+    read-only file system.  A URL is probed when the run makes it (its store
+    answers, its bucket exists: :func:`recipes.history.make_out_dir`)."""
+    if not isinstance(path, Path):
+        return
     if path.is_symlink() and not path.exists():
         raise ParallelxError(
             f"{option} {path} is a broken symbolic link (to {os.readlink(path)}); remove it or choose another directory"

@@ -74,7 +74,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import parallelx
-from parallelx import Backend, MetricSums, ParallelxError
+from parallelx import Backend, MetricSums, ParallelxError, storage
 
 from .common import (
     base_parser,
@@ -89,7 +89,7 @@ from .common import (
     validate,
 )
 from .data import CharWindows, char_datasets, make_loader, read_text
-from .history import make_out_dir, plot, run_config, write_history
+from .history import make_out_dir, plot, run_config, shown, write_history
 from .make_data import generate_text
 from .models import GPT, GPTConfig, gpt_param_groups
 
@@ -338,13 +338,15 @@ def train(
             # The val loss is all-reduced, so every rank takes this branch together: save is a collective.
             if v["loss"] < ckpt["best_loss"]:
                 ckpt["best_loss"], ckpt["best_epoch"] = v["loss"], epoch
-                backend.save(model, out_dir / "best.pth")
+                backend.save(model, storage.join(out_dir, "best.pth"))
             if backend.is_main():
                 write_history(out_dir, ckpt["history"])
     if ckpt.preempted:  # at an epoch's end
         return
 
-    backend.save(model, out_dir / "last.pth")  # the weights after the last step, a plain state_dict (collective)
+    backend.save(
+        model, storage.join(out_dir, "last.pth")
+    )  # the weights after the last step, a plain state_dict (collective)
     sample = ""
     if args.sample_tokens:
         context = val_set.tokens[:1].view(1, 1).to(backend.device)  # the validation text's first character
@@ -362,11 +364,11 @@ def train(
             "vocab": "".join(vocab),
             "sample": sample,
         }
-        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        plot(out_dir / "training_results.png", history)
+        storage.write_text(storage.join(out_dir, "metrics.json"), json.dumps(metrics, indent=2) + "\n")
+        plot(storage.join(out_dir, "training_results.png"), history)
     backend.print(f"Training complete in {int(total // 60)}m {int(total % 60)}s")
     backend.print(f"Best val loss: {ckpt['best_loss']:.4f} (epoch {ckpt['best_epoch']})")
-    backend.print(f"outputs in {out_dir.resolve()}")
+    backend.print(f"outputs in {shown(out_dir)}")
     backend.barrier()
 
 

@@ -5,14 +5,15 @@ their plot (``training_results.png``).  Written by the main rank only."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from parallelx import Backend
+from parallelx import Backend, storage
 from parallelx.errors import ParallelxError
+from parallelx.storage import Location
 
 #: The options ``metrics.json`` records under "config" (those a recipe has).
 CONFIG_KEYS = (
@@ -30,18 +31,27 @@ CONFIG_KEYS = (
 )
 
 
-def make_out_dir(backend: Backend, out: Path) -> None:
-    """The main rank creates ``out``; a failure stops every rank (the others
-    would otherwise train on and wait for it in the first collective)."""
+def make_out_dir(backend: Backend, out: Location) -> None:
+    """The main rank creates ``out`` (in a store: checks that it answers and that its bucket exists);
+    a failure stops every rank (the others would otherwise train on and wait for it in the first
+    collective)."""
     error = None
     if backend.is_main():
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            storage.probe(out)
+            storage.makedirs(out)
+        except ParallelxError as exc:
+            error = f"{exc}; choose another --out-dir"
         except OSError as exc:
             error = f"cannot create the output directory {out} ({exc.strerror or exc}); choose another --out-dir"
     error = backend.broadcast(error, src=0)
     if error is not None:
         raise ParallelxError(error)
+
+
+def shown(out: Location) -> str:
+    """``out`` as the last line prints it: a local folder's absolute path, or the URL."""
+    return str(out.resolve()) if isinstance(out, Path) else storage.show(out)
 
 
 def epoch_row(epoch: int, train: dict[str, Any], val: dict[str, Any]) -> dict[str, float]:
@@ -93,27 +103,31 @@ def final_metrics(
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run's options as ``metrics.json`` records them."""
+    # Paths as text; a URL without any user:password in it.
     return {
-        k: str(v) if isinstance(v, Path) else v for k in CONFIG_KEYS if hasattr(args, k) for v in [getattr(args, k)]
+        k: storage.show(v) if isinstance(v, (Path, str)) else v
+        for k in CONFIG_KEYS
+        if hasattr(args, k)
+        for v in [getattr(args, k)]
     }
 
 
-def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
-    """``metrics.json``, ``history.csv`` and ``training_results.png`` (main rank only)."""
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+def write_outputs(out: Location, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
+    """``metrics.json``, ``history.csv`` and ``training_results.png`` (main rank only), each
+    replaced whole (a local file by a rename, an object by one upload)."""
+    storage.write_text(storage.join(out, "metrics.json"), json.dumps(metrics, indent=2) + "\n")
     write_history(out, history)
-    plot(out / "training_results.png", history)
+    plot(storage.join(out, "training_results.png"), history)
 
 
-def write_history(out: Path, history: list[dict[str, float]]) -> None:
+def write_history(out: Location, history: list[dict[str, float]]) -> None:
     import pandas as pd
 
-    tmp = out / "history.csv.tmp"
-    pd.DataFrame(history).to_csv(tmp, index=False)
-    os.replace(tmp, out / "history.csv")
+    text = pd.DataFrame(history).to_csv(index=False)
+    storage.write_text(storage.join(out, "history.csv"), text)
 
 
-def plot(path: Path, history: list[dict[str, float]]) -> None:
+def plot(path: Location, history: list[dict[str, float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,5 +156,7 @@ def plot(path: Path, history: list[dict[str, float]]) -> None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    storage.write(path, lambda f: f.write(image.getvalue()))
