@@ -15,7 +15,12 @@ from parallelx.bigmodels.export import save_pretrained
 from parallelx.bigmodels.meta import init_module, init_weights
 from parallelx.bigmodels.pretrained import load_pretrained
 from parallelx.checkpoints.checkpointer import Checkpointer
-from parallelx.checkpoints.trainstate import latest_checkpoint, load_training_state, save_training_state
+from parallelx.checkpoints.trainstate import (
+    latest_checkpoint,
+    load_training_state,
+    save_training_state,
+    wait_for_checkpoint,
+)
 from parallelx.cli import add_arguments, exit_on_error, from_args
 from parallelx.errors import BackendUnavailableError, LaunchError, ParallelxError, UnknownBackendError
 from parallelx.launching.launchers import Launcher
@@ -80,5 +85,6 @@ __all__ = [
     "save_pretrained",
     "save_training_state",
     "seed_everything",
+    "wait_for_checkpoint",
     "warn",
 ]

@@ -378,6 +378,8 @@ class Backend:
         """Leave the world and release what the backend holds.  Every rank calls
         it at the end of a successful run.  Safe to call more than once."""
         if self.initialized:
+            for finish in list(self.run.on_shutdown):  # e.g. a checkpoint written in the background completes
+                finish()
             for observer in self._observers:  # every rank is here: an observer's collectives are safe
                 observer.finish()
             try:

@@ -197,6 +197,9 @@ class Run:
         self.joined: Joined | None = None
         #: Told when the world changes under a running job (an elastic reset); the facade's loop listens.
         self.on_rejoin: list[Callable[[Joined], None]] = []
+        #: Called on every rank at a successful shutdown, first (collectives allowed): what a part
+        #: above the facade must finish before the world is left (a checkpoint still being written).
+        self.on_shutdown: list[Callable[[], None]] = []
         self.watchdog: Watchdog | None = None
         # The user's modules set up so far, weakly (an elastic run builds new ones).
         self._models: list[weakref.ref[nn.Module]] = []

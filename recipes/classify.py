@@ -81,6 +81,7 @@ def train(
         out_dir,
         every=args.checkpoint_every,
         keep=args.keep_checkpoints,
+        asynchronous=args.checkpoint_async,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,

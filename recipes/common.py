@@ -210,6 +210,12 @@ def base_parser(
         "(default: start afresh)",
     )
     p.add_argument(
+        "--checkpoint-async",
+        action="store_true",
+        help="write the checkpoints in the background: training stops only while each process copies its "
+        "state into memory; a checkpoint is complete a few steps later (default: training waits for the files)",
+    )
+    p.add_argument(
         "--keep-checkpoints",
         type=positive_int,
         default=3,

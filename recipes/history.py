@@ -28,6 +28,7 @@ CONFIG_KEYS = (
     "checkpoint_every",
     "resume",
     "keep_checkpoints",
+    "checkpoint_async",
 )
 
 

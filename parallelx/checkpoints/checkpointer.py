@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from parallelx import storage
+from parallelx.checkpoints import background
 from parallelx.checkpoints.trainstate import (
     STATE_FILE,
     SUBDIR,
@@ -96,6 +97,12 @@ class Checkpointer:
     as ``--checkpoint-every`` and ``--resume`` do in the recipes; so is
     SIGTERM handled (inside ``with ckpt:``).  ``directory`` is the run's: the
     checkpoints go to ``directory/checkpoints/``, the newest ``keep`` kept.
+
+    ``asynchronous=True`` (``--checkpoint-async``): a save blocks only while each rank copies its state
+    into CPU memory; the files are written in the background, and the checkpoint is complete a few
+    steps later (:mod:`parallelx.checkpoints.background`, whose flags ride on the per-step
+    preemption all-reduce: no collective is added).  The end of the ``with`` block, a preemption and
+    the next save wait for it; a failed write raises on every rank at the step it is known.
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class Checkpointer:
         keep: int = 3,
         enabled: bool | None = None,
         per_epoch: Mapping[str, Any] | None = None,
+        asynchronous: bool = False,
         **parts: Any,
     ) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
@@ -116,7 +124,7 @@ class Checkpointer:
         self.backend = backend
         #: The run's directory: a local Path, or a URL (``s3://bucket/run``) as a str.
         self.directory: Location = storage.location(directory)
-        self.every, self.keep = every, keep
+        self.every, self.keep, self.asynchronous = every, keep, bool(asynchronous)
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, Any] = {}
         self.schedulers: dict[str, Any] = {}
@@ -141,6 +149,7 @@ class Checkpointer:
         #: The checkpoint :meth:`resume` loaded, None on a fresh start.
         self.path: Location | None = None
         self._enabled = enabled
+        self._in_flight: Location | None = None  # a checkpoint being written in the background
         self._resuming = False
         self._inside = self._armed = False
         self._seconds_before, self._started = 0.0, time.perf_counter()
@@ -334,9 +343,9 @@ class Checkpointer:
         self.epoch_steps += 1
         if not self.enabled or self._in_pass == self._pass_length:  # the pass's last: the epoch's checkpoint follows
             return False
-        stop = self.preemption.should_stop(self.backend)
+        stop = self._should_stop()
         if stop or (self.every is not None and self.global_step % self.every == 0):
-            self.save()
+            self.save(asynchronous=self.asynchronous and not stop)
         if stop:
             self._stopped()
         return stop
@@ -348,9 +357,31 @@ class Checkpointer:
         for sums in self.sums.values():
             sums.load_state_dict({"ranks": [{"loss_sum": 0.0, "correct": 0, "count": 0, "tracks_correct": None}]})
         if self.enabled:
-            self.save()  # the pass is over (or cut by a limit): the next epoch starts at its beginning
-            if self.preemption.should_stop(self.backend):
+            self.save(
+                asynchronous=self.asynchronous
+            )  # the pass is over (or cut by a limit): the next epoch starts at its beginning
+            if self._should_stop():
+                self._wait()
                 self._stopped()
+
+    def _should_stop(self) -> bool:
+        """The preemption flag of every rank (one all-reduce per step), which also carries the
+        flags of a checkpoint still written in the background."""
+        preempted = 1 if self.preemption.requested else 0
+        [anyone] = background.poll(self.backend, [preempted])
+        self._settle()
+        return anyone > 0
+
+    def _settle(self) -> None:
+        """Once the checkpoint written in the background is complete (the same step on every rank)."""
+        if self._in_flight is not None and background.pending(self.backend) is None:
+            self.backend.print(f"checkpoint {storage.show(self._in_flight)}: complete")
+            self._in_flight = None
+            self.backend.elastic_commit()  # an elastic run that loses a rank goes back to this checkpoint
+
+    def _wait(self) -> None:
+        background.wait(self.backend)
+        self._settle()
 
     def _stopped(self) -> None:
         self.preempted = True
@@ -361,8 +392,10 @@ class Checkpointer:
         self.backend.barrier()
 
     # ---------------------------------------------------------------- saving
-    def save(self) -> Location:
-        """Write a checkpoint of where the loop stands now (every rank calls it)."""
+    def save(self, *, asynchronous: bool = False) -> Location:
+        """Write a checkpoint of where the loop stands now (every rank calls it); with
+        ``asynchronous``, in the background (see the class)."""
+        self._wait()  # the one in flight first (save_training_state would too): its line before this one's
         extra: dict[str, Any] = dict(self.values)
         for name, sums in self.sums.items():
             extra[name] = sums.state_dict(self.backend)  # every rank's sums (a collective)
@@ -379,9 +412,15 @@ class Checkpointer:
             },
             keep=self.keep,
             extra=extra,
+            asynchronous=asynchronous,
             **self._parts(loading=False),
         )
-        self.backend.print(f"checkpoint {saved}: epoch {self.epoch}, micro-batch {self.batch}, step {self.global_step}")
+        where = f"epoch {self.epoch}, micro-batch {self.batch}, step {self.global_step}"
+        if asynchronous:
+            self.backend.print(f"checkpoint {storage.show(saved)}: {where} (writing in the background)")
+            self._in_flight = saved
+            return saved
+        self.backend.print(f"checkpoint {storage.show(saved)}: {where}")
         self.backend.elastic_commit()  # an elastic run that loses a rank goes back to this checkpoint
         return saved
 
@@ -429,6 +468,8 @@ class Checkpointer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc_type is None:
+            self._wait()  # the last checkpoint complete before the loop's end
         if self._armed:
             self.preemption.__exit__(exc_type, exc, tb)
         self._inside = self._armed = False

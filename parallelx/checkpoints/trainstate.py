@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from parallelx import log, storage
-from parallelx.checkpoints import sharded
+from parallelx.checkpoints import background, sharded
 from parallelx.errors import ParallelxError, first_line
 from parallelx.launching.environments import detect_environment
 from parallelx.parts import portable as checkpoint
@@ -183,6 +183,7 @@ def save_training_state(
     schedulers: Mapping[str, Any] | None = None,
     samplers: Mapping[str, ShardedSampler | Mapping[str, Any]] | None = None,
     emas: Mapping[str, EMA] | None = None,
+    asynchronous: bool = False,
 ) -> Location:
     """Write a complete training-state checkpoint for ``step`` under
     ``directory/checkpoints/`` and return its path.  **Every rank must call
@@ -195,8 +196,15 @@ def save_training_state(
     defaults to the backend's own (``backend.grad_scaler``, under 16-mixed).
     Several models, optimizers, schedulers and samplers go by name instead
     (``models={...}``, ``optimizers={...}``, ...; see the module's text).
-    ``emas`` are weight averages (:class:`parallelx.EMA`) by name, in either layout."""
+    ``emas`` are weight averages (:class:`parallelx.EMA`) by name, in either layout.
+
+    ``asynchronous=True``: each rank returns once its state is copied into CPU memory; the files are
+    written in the background and the checkpoint is complete (published) some steps later
+    (:mod:`parallelx.checkpoints.background`: :class:`parallelx.Checkpointer` follows it at each step,
+    :func:`wait_for_checkpoint` waits for it).  The returned path is where it will be once complete.
+    A save first waits for the previous one."""
     _require_initialized(backend)
+    background.wait(backend)  # a save waits for the one in flight (a collective when there is one)
     parts = Parts.of(
         "save_training_state", model, optimizer, scheduler, sampler, models, optimizers, schedulers, samplers
     )
@@ -257,6 +265,24 @@ def save_training_state(
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
 
+    if asynchronous and shards:
+        # DCP's writes are collectives of their own, which a background thread cannot run beside the training's.
+        log.warn(
+            "--checkpoint-async: sharded checkpoints (--fsdp-sharded-checkpoints) are written before the step "
+            "goes on; the whole-tensor checkpoints are the ones written in the background"
+        )
+        asynchronous = False
+    if asynchronous:  # what the writer writes: copies no later update can reach
+        staged = None
+        try:
+            # The state parts' tensors are CPU copies made for this save (StateIO's contract): kept, not copied again.
+            fresh = list(background.tensors([model_states, optim_states, ema_states, shards]))
+            rng = background.stage(plain(rng))
+            state = None if state is None else background.stage(plain(state), fresh)
+        except Exception as exc:  # a state that cannot be stored, or no memory to stage it in: on every rank
+            staged = f"staging the checkpoint failed on rank {backend.rank}: {first_line(exc)}"
+        _agree(backend, staged)
+
     if isinstance(root, str):
         if shards:  # the same on every rank: no rank is left in a collective
             raise ParallelxError(
@@ -264,7 +290,7 @@ def save_training_state(
                 "yet: give a local --out-dir, or leave --fsdp-sharded-checkpoints out"
             )
         # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
-        return _save_to_store(backend, root, name, plain(rng), None if state is None else plain(state), keep)
+        return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous)
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -279,13 +305,26 @@ def save_training_state(
         raise ParallelxError(error)
     assert tmp is not None  # error was None: rank 0 made it
     tmp_dir = Path(tmp)
-    mine = None
-    try:
+    final = root / name
+
+    def write_files() -> None:
         _write(plain(rng), tmp_dir / f"rng-rank{backend.rank}.pt")
-        for key, found in shards.items():  # every rank writes its own shards (a collective)
-            sharded.write(found, tmp_dir / PARTS_DIR / key if parts.named else tmp_dir)
         if state is not None:
             _write(plain(state), tmp_dir / STATE_FILE)
+
+    def publish() -> None:  # rank 0, once every rank's files are on disk: the rename, then `latest`
+        checkpoint.fsync_dir(tmp_dir)
+        _publish(tmp_dir, final)
+        _write_latest(root, name)
+        _prune(root, keep, name)
+
+    if asynchronous:
+        return _in_background(backend, final, step, write_files, publish)
+    mine = None
+    try:
+        for key, found in shards.items():  # every rank writes its own shards (a collective)
+            sharded.write(found, tmp_dir / PARTS_DIR / key if parts.named else tmp_dir)
+        write_files()
     except Exception as exc:  # reported to every rank below
         mine = f"writing the checkpoint failed on rank {backend.rank}: {checkpoint.write_failure(tmp_dir, exc)}"
     try:
@@ -296,14 +335,10 @@ def save_training_state(
         raise
 
     # Every file is on disk: rank 0 publishes the directory, then names it in `latest`.
-    final = root / name
     error = None
     if backend.is_main():
         try:
-            checkpoint.fsync_dir(tmp_dir)
-            _publish(tmp_dir, final)
-            _write_latest(root, name)
-            _prune(root, keep, name)
+            publish()
         except Exception as exc:
             error = f"publishing checkpoint {final} failed: {type(exc).__name__}: {exc}"
     error = backend.broadcast(error, src=0)
@@ -312,6 +347,13 @@ def save_training_state(
     if backend.environment is not None:  # (Ray Train keeps a copy)
         backend.environment.checkpoint_saved(final, step)
     return final
+
+
+def wait_for_checkpoint(backend: Backend) -> None:
+    """Wait until the checkpoint an ``asynchronous=True`` save is writing is complete (every rank
+    calls it; nothing to do when none is in flight).  Raises on every rank if writing it failed.
+    ``backend.shutdown()`` (the end of ``with backend:``) calls it."""
+    background.wait(backend)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Location | None:
@@ -632,7 +674,29 @@ def _complete(root: Location) -> list[tuple[int, Location]]:
     return sorted(found, key=lambda f: f[0])
 
 
-def _save_to_store(backend: Backend, root: str, name: str, rng: Any, state: dict[str, Any] | None, keep: int) -> str:
+def _in_background(backend: Backend, final: Location, step: int, write: Any, publish: Any) -> Location:
+    """Hand the writes (every rank) and the publishing (rank 0, once all have written) to
+    :mod:`parallelx.checkpoints.background`; return where the checkpoint will be."""
+
+    def complete() -> None:
+        # Ray Train keeps a copy of a local folder (a store keeps its own).
+        if backend.environment is not None and isinstance(final, Path):
+            backend.environment.checkpoint_saved(final, step)
+
+    background.track(background.PendingSave(backend, final, write, publish, complete))
+    return final
+
+
+def _save_to_store(
+    backend: Backend,
+    root: str,
+    name: str,
+    rng: Any,
+    state: dict[str, Any] | None,
+    keep: int,
+    step: int,
+    asynchronous: bool,
+) -> str:
     """Write a checkpoint into an object store, which has no rename: every rank puts its files
     under the final name, and rank 0 writes the commit record once all have, then ``latest``.
     Until then no reader takes it (:func:`is_complete`), and a crash leaves it incomplete."""
@@ -649,22 +713,30 @@ def _save_to_store(backend: Backend, root: str, name: str, rng: Any, state: dict
     error = backend.broadcast(error, src=0)
     if error is not None:
         raise ParallelxError(error)
-    mine = None
-    files = [f"rng-rank{backend.rank}.pt"] + ([STATE_FILE] if state is not None else [])
-    try:
-        storage.save(rng, f"{final}/{files[0]}")
+
+    def write_files() -> None:
+        storage.save(plain(rng), f"{final}/rng-rank{backend.rank}.pt")
         if state is not None:
-            storage.save(state, f"{final}/{STATE_FILE}")
+            storage.save(plain(state), f"{final}/{STATE_FILE}")
+
+    def publish() -> None:  # rank 0, once every rank's files are in the store: the commit record, then `latest`
+        record = {"name": name, "world_size": backend.world_size, "time": time.time()}
+        storage.write_text(f"{final}/{COMMIT}", json.dumps(record) + "\n")
+        _write_latest(root, name)
+        _prune(root, keep, name)
+
+    if asynchronous:
+        return str(_in_background(backend, final, step, write_files, publish))
+    mine = None
+    try:
+        write_files()
     except Exception as exc:  # reported to every rank below
         mine = f"writing the checkpoint {storage.show(final)} failed on rank {backend.rank}: {first_line(exc)}"
     _agree(backend, mine)  # every rank's files are in the store
     error = None
     if backend.is_main():
         try:
-            record = {"name": name, "world_size": backend.world_size, "time": time.time()}
-            storage.write_text(f"{final}/{COMMIT}", json.dumps(record) + "\n")
-            _write_latest(root, name)
-            _prune(root, keep, name)
+            publish()
         except Exception as exc:
             error = f"publishing checkpoint {storage.show(final)} failed: {first_line(exc)}"
     error = backend.broadcast(error, src=0)
