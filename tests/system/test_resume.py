@@ -82,8 +82,10 @@ def job(
     timeout: float = 150,
     while_running=None,
     wrapper: bool = True,
+    url: str | None = None,
 ) -> tuple[int, str]:
-    """Run the recipe (through the fault wrapper) under ``launcher``; return (exit status, output)."""
+    """Run the recipe (through the fault wrapper) under ``launcher``; return (exit status, output).
+    ``url``: the ``--out-dir`` (an object store's), ``out`` then only names the log."""
     require_launcher(launcher)
     spec = launcher_for(launcher)
     port = free_port()
@@ -94,7 +96,7 @@ def job(
             "--data-dir",
             str(data),
             "--out-dir",
-            str(out),
+            url or str(out),
             "--batch-size",
             str(batch),
             "--num-workers",
@@ -179,7 +181,7 @@ def history(out: Path) -> list[dict[str, str]]:
 
 def resumed_from(output: str) -> list[str]:
     return [
-        line.split("resuming from ", 1)[1].split(":", 1)[0].rsplit("/", 1)[1]
+        line.split("resuming from ", 1)[1].split(": ", 1)[0].rsplit("/", 1)[1]
         for line in output.splitlines()
         if "resuming from " in line
     ]
@@ -479,3 +481,36 @@ def test_preemption_module_agrees_and_restores_the_handler():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_async_checkpoints_in_the_store_resume_auto_bitwise_after_a_kill(data, reference, tmp_path, s3_env):
+    """The recipe with its outputs and checkpoints in an S3-compatible store (SeaweedFS, started by
+    the tests) and the checkpoints written in the background: rank 1 is SIGKILLed after step 3,
+    torchrun restarts both ranks, ``--resume auto`` finds the latest complete checkpoint in the
+    store and the run ends on the uninterrupted run's weights and history, to the bit."""
+    store, bucket = s3_env
+    url = f"s3://{bucket}/run"
+    rc, output = job(
+        "torchrun",
+        ["--checkpoint-every", "1", "--checkpoint-async", "--resume", "auto", "--keep-checkpoints", "2"],
+        tmp_path / "out",
+        data,
+        restarts=1,
+        url=url,
+        env={"PXT_ACTIONS": "0:kill@3:1"},
+    )
+    assert rc == 0, output[-4000:]
+    assert "rank 1 attempt 0: SIGKILL after step 3" in output
+    assert "(writing in the background)" in output and f"checkpoint {url}/checkpoints/step-00000002: complete" in output
+    # Rank 1 died after step 3's update, with step 2's checkpoint still in flight (complete at the
+    # earliest two steps after its save): step 1's, the latest complete one, is where attempt 1 starts.
+    assert resumed_from(output) == ["step-00000001"], output[-3000:]
+    local = tmp_path / "fetched"
+    local.mkdir()
+    client = store.client()
+    for name in ("last.pth", "history.csv", "metrics.json", "best.pth", "training_results.png"):
+        client.download_file(bucket, f"run/{name}", str(local / name))
+    assert_bitwise(local, reference)
+    steps = sorted({k.split("/")[2] for k in store.keys(bucket, "run/checkpoints/step-")})
+    assert steps == ["step-00000007", "step-00000008"], steps  # kept 2; the others pruned once complete
+    assert store.keys(bucket, "run/checkpoints/step-00000008/commit.json")
