@@ -145,3 +145,20 @@ def test_locations():
     assert storage.location("s3://b/run/") == "s3://b/run"
     assert storage.join(storage.location("s3://b/run"), "checkpoints") == "s3://b/run/checkpoints"
     assert storage.show("s3://key:secret@b/run") == "s3://b/run"
+
+
+def test_a_recipe_given_a_missing_bucket_stops_before_training_with_one_line(s3_env, tmp_path, capsys):
+    """``--out-dir s3://<no such bucket>/run``: the recipe ends with exit status 2 and one line
+    naming the URL and the cause, before any step (its data is read; no output is made)."""
+    from recipes import cifar10
+    from recipes.make_data import make_cifar10
+
+    data = make_cifar10(tmp_path / "cifar", n_train=32, n_test=16, seed=0)
+    url = "s3://px-no-such-bucket/run"
+    with pytest.raises(SystemExit) as stop:
+        cifar10.main(["--backend", "single", "--data-dir", str(data), "--out-dir", url, "--epochs", "1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and url in lines[0] and "does not exist" in lines[0], err
+    assert "--out-dir" in lines[0] and SECRET_KEY not in err
