@@ -1,11 +1,11 @@
 """Training-state checkpoints written in the background (``asynchronous=True``, ``--checkpoint-async``).
 
 A synchronous save stops every rank until its files are written (and uploaded).  An
-asynchronous one blocks each rank only while it *stages* its state, after the save's collectives: the state
-parts already hand the save CPU copies of the model's and the optimizer's tensors (the
-copy a synchronous save makes too); what else the state holds (a loop's own tensors,
-updated in place) is copied beside them, and anything still on a GPU goes into pinned
-memory.  That copy is what gets written, so no later update can reach the files, and the
+asynchronous one blocks each rank only while it *stages* its state, after the save's collectives: every
+tensor of it copied into memory nothing else holds (pinned on CUDA, so the copy runs at the
+bus's speed).  Some tensors the state parts hand a save share memory with live ones (a
+buffer, an optimizer's state on the CPU, a loop's own value), which the next steps update
+in place: the copy is what gets written, so no later update can reach the files.  The
 extra memory while a save is in flight is the rank's checkpoint state, once.  A
 thread of each rank then writes its files; once every rank has written, rank 0 publishes
 the checkpoint (the folder's rename, or the commit record in a store) on a thread of its
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,32 +55,15 @@ FLAGS = 4
 _PENDING: weakref.WeakKeyDictionary[Any, PendingSave] = weakref.WeakKeyDictionary()
 
 
-def tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested state."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors(v)
-
-
-def stage(obj: Any, fresh: Iterable[torch.Tensor] = ()) -> Any:
-    """``obj`` with every tensor in CPU memory that nothing else holds: what the background writer
-    writes, whatever the training does next.  ``fresh`` are tensors already copied for the save
-    (the state parts' CPU copies: the model's, the optimizer's, the averages'), kept as they are,
-    so the state is not held twice; any other tensor (a loop's own value updated in place) is
-    copied.  From a GPU into pinned memory, then one synchronisation."""
-    own = {id(t) for t in fresh}
+def stage(obj: Any) -> Any:
+    """``obj`` with every tensor copied into CPU memory that nothing else holds: what the
+    background writer writes, whatever the training does next.  From a GPU into pinned
+    memory, then one synchronisation (the copies run asynchronously until then)."""
     cuda = False
 
     def copy(x: Any) -> Any:
         nonlocal cuda
         if isinstance(x, torch.Tensor):
-            if id(x) in own and x.device.type == "cpu":
-                return x
             x = x.detach()
             if x.device.type == "cuda":
                 cuda = True

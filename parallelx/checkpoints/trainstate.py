@@ -275,10 +275,10 @@ def save_training_state(
     if asynchronous:  # what the writer writes: copies no later update can reach
         staged = None
         try:
-            # The state parts' tensors are CPU copies made for this save (StateIO's contract): kept, not copied again.
-            fresh = list(background.tensors([model_states, optim_states, ema_states, shards]))
+            # Every tensor copied, those the state parts gave too: some of them share memory with a live
+            # tensor (a buffer, an optimizer's state on the CPU), which the next steps update in place.
             rng = background.stage(plain(rng))
-            state = None if state is None else background.stage(plain(state), fresh)
+            state = None if state is None else background.stage(plain(state))
         except Exception as exc:  # a state that cannot be stored, or no memory to stage it in: on every rank
             staged = f"staging the checkpoint failed on rank {backend.rank}: {first_line(exc)}"
         _agree(backend, staged)
