@@ -162,3 +162,37 @@ def test_a_recipe_given_a_missing_bucket_stops_before_training_with_one_line(s3_
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and url in lines[0] and "does not exist" in lines[0], err
     assert "--out-dir" in lines[0] and SECRET_KEY not in err
+
+
+def test_a_background_save_to_the_store_is_complete_only_once_committed(s3_env, backend, monkeypatch):
+    """``asynchronous=True`` into the store: while the upload waits, the checkpoint has no commit
+    record and the previous one stays the latest; once done, its record and ``latest`` are there."""
+    import threading
+
+    from parallelx.checkpoints import trainstate
+
+    store, bucket = s3_env
+    url = f"s3://{bucket}/bg"
+    run = Run(backend, "adamw")
+    run.train(1)
+    first = run.save(url)
+    go = threading.Event()
+    save = storage.save
+
+    def held(obj, loc, **kw):  # type: ignore[no-untyped-def]
+        assert go.wait(30)
+        save(obj, loc, **kw)
+
+    monkeypatch.setattr(trainstate.storage, "save", held)
+    run.train(1)
+    at_save = {k: v.clone() for k, v in run.weights().items()}
+    second = run.save(url, asynchronous=True)
+    run.train(2)  # the weights move on while the upload waits
+    assert second == f"{url}/checkpoints/step-00000002" and not is_complete(second)
+    assert latest_checkpoint(url) == first
+    go.set()
+    parallelx.wait_for_checkpoint(backend)
+    assert is_complete(second) and latest_checkpoint(url) == second
+    resumed = Run(backend, "adamw", init_seed=5)
+    resumed.load(second)
+    assert all(torch.equal(resumed.weights()[k], at_save[k]) for k in at_save)
