@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from threads import Meeting, ThreadBackend, no_forensics
+from threads import in_threads
 from trainstate_worker import Run
 
 import parallelx
@@ -127,38 +127,23 @@ def test_a_failed_background_write_is_raised_on_every_rank_at_the_same_step(tmp_
         write(obj, path)
 
     monkeypatch.setattr(trainstate, "_write", failing)
-    meeting = Meeting(2)
-    raised: dict[int, tuple[int, str]] = {}
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            with ThreadBackend(meeting, r) as backend:
-                model = torch.nn.Linear(3, 2)
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-                model, optimizer = backend.setup(model, optimizer)
-                common = dict(model=model, optimizer=optimizer, counters={})
-                parallelx.save_training_state(backend, tmp_path, step=1, **common)
-                parallelx.save_training_state(backend, tmp_path, step=2, asynchronous=True, **common)
-                for step in range(1, 200):
-                    try:
-                        background.poll(backend, [0])  # what Checkpointer.step runs each step
-                    except ParallelxError as exc:
-                        raised[r] = (step, str(exc))
-                        return
-                    meeting.exchange(r, None)  # a training step's own collective
-                raised[r] = (-1, "never raised")
-        except BaseException as exc:
-            errors.append(exc)
-            meeting.barrier.abort()
+    def body(backend: parallelx.Backend) -> tuple[int, str]:
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = backend.setup(model, optimizer)
+        common = dict(model=model, optimizer=optimizer, counters={})
+        parallelx.save_training_state(backend, tmp_path, step=1, **common)
+        parallelx.save_training_state(backend, tmp_path, step=2, asynchronous=True, **common)
+        for step in range(1, 200):
+            try:
+                background.poll(backend, [0])  # what Checkpointer.step runs each step
+            except ParallelxError as exc:
+                return step, str(exc)
+            backend.barrier()  # a training step's own collective
+        return -1, "never raised"
 
-    with no_forensics():
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors
+    raised = in_threads(2, body)
     assert raised[0] == raised[1], raised  # the same step, the same words
     step, text = raised[0]
     assert step > 0 and "\n" not in text
