@@ -31,11 +31,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-JOBS = {
-    # ~200 M parameters in the blocks (16 x 12 x 1024^2), a vocabulary of 8192 (8 M, tied).
-    "200m": {"n_layer": 16, "n_head": 16, "n_embd": 1024, "vocab": 8192, "block": 256, "batch": 1},
-    "small": {"n_layer": 2, "n_head": 4, "n_embd": 128, "vocab": 512, "block": 64, "batch": 4},
-}
+# The jobs of benchmarks/tensor_parallel.py, and its GPT: the same 200 M model.
+from benchmarks.tensor_parallel import JOBS, gpt  # noqa: E402  (after the path above)
+
 ENGINES = {"fsdp": ["--backend", "fsdp"], "zero3": ["--backend", "deepspeed", "--zero-stage", "3"]}
 WAYS = ["sync local", "async local", "sync store", "async store"]
 
@@ -47,7 +45,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import parallelx
-    from recipes.models import GPT, GPTConfig
 
     job = JOBS[args.job]
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
@@ -55,15 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     me = psutil.Process()
     with backend:
         torch.manual_seed(0)
-        cfg = GPTConfig(
-            vocab_size=job["vocab"],
-            block_size=job["block"],
-            n_layer=job["n_layer"],
-            n_head=job["n_head"],
-            n_embd=job["n_embd"],
-            dropout=0.0,
-        )
-        model = GPT(cfg)
+        model = gpt(job)
         model, opt = backend.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         g = torch.Generator().manual_seed(1234)
 

@@ -45,20 +45,12 @@ CONFIGS = {
 }
 
 
-# ------------------------------------------------------------------ one launch
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.nn.functional as F
-
-    import parallelx
+def gpt(job: dict[str, int]) -> Any:
+    """The recipe's GPT of ``job``'s sizes, without dropout (also benchmarks/checkpoint_save.py's)."""
     from recipes.models import GPT, GPTConfig
 
-    job = JOBS[args.job]
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
-    backend = parallelx.from_args(args)
-    with backend:
-        torch.manual_seed(0)
-        cfg = GPTConfig(
+    return GPT(
+        GPTConfig(
             vocab_size=job["vocab"],
             block_size=job["block"],
             n_layer=job["n_layer"],
@@ -66,7 +58,22 @@ def worker(args: argparse.Namespace) -> None:
             n_embd=job["n_embd"],
             dropout=0.0,
         )
-        model = GPT(cfg)
+    )
+
+
+# ------------------------------------------------------------------ one launch
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import parallelx
+
+    job = JOBS[args.job]
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
+    backend = parallelx.from_args(args)
+    with backend:
+        torch.manual_seed(0)
+        model = gpt(job)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, opt = backend.setup(model, opt)
         mesh = backend.mesh
