@@ -95,20 +95,26 @@ DEEPSPEED_SIZES: dict[str, int] = {
 }
 #: The smallest bucket parallelx picks (elements): below it a tiny model's buckets would only add collectives.
 SMALLEST_BUCKET = 1_000_000
+#: A model of up to this many elements gets buckets that hold all of it (at most 95 MiB of float32 a
+#: bucket): one reduction and one gather of everything per step, DeepSpeed's own collectives, which a
+#: block-sized bucket multiplies (a 3.3 M-parameter GPT's ZeRO-3 step cost 1.045x DeepSpeed's own with
+#: 1 M-element buckets, 4 reduce-scatters a step instead of 1; docs/benchmarks.md).  A bigger model's
+#: buckets hold at least this much.
+WHOLE_MODEL_BUCKET = 25_000_000
 
 
-def sized_for(largest_unit: int, largest_tensor: int) -> dict[str, int]:
-    """ZeRO's buffer sizes (elements) for a model whose largest block (the unit fsdp also shards on
-    its own) holds ``largest_unit`` elements and whose largest tensor ``largest_tensor``: a bucket
-    holds one block's gradients (or the largest tensor, which DeepSpeed cannot split across
-    buckets), the prefetch one block ahead, at most two blocks gathered at once and none kept
-    from the forward to the backward beyond that, and ZeRO-3's optimizer stepped one block's
-    worth of its flat partition at a time (a whole-partition step allocates two temporaries the
-    size of the partition: 0.75 GiB a rank for a 200 M-parameter model at 2 processes); never
-    above DeepSpeed's own defaults.  The
-    parameter persistence threshold is DeepSpeed's (small tensors, LayerNorms and biases, stay
-    whole on every rank instead of costing a gather each)."""
-    bucket = max(largest_unit, largest_tensor, SMALLEST_BUCKET)
+def sized_for(largest_unit: int, largest_tensor: int, total: int = 0) -> dict[str, int]:
+    """ZeRO's buffer sizes (elements) for a model of ``total`` elements whose largest block (the unit
+    fsdp also shards on its own) holds ``largest_unit`` elements and whose largest tensor
+    ``largest_tensor``: a bucket holds one block's gradients (or the largest tensor, which DeepSpeed
+    cannot split across buckets) and at least the whole model up to :data:`WHOLE_MODEL_BUCKET`, the
+    prefetch one bucket ahead, at most two buckets gathered at once and none kept from the forward
+    to the backward beyond that, and ZeRO-3's optimizer stepped one bucket's worth of its flat
+    partition at a time (a whole-partition step allocates two temporaries the size of the
+    partition: 0.75 GiB a rank for a 200 M-parameter model at 2 processes); never above
+    DeepSpeed's own defaults.  The parameter persistence threshold is DeepSpeed's (small tensors,
+    LayerNorms and biases, stay whole on every rank instead of costing a gather each)."""
+    bucket = max(largest_unit, largest_tensor, SMALLEST_BUCKET, min(total, WHOLE_MODEL_BUCKET))
     sized = {
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
@@ -120,15 +126,16 @@ def sized_for(largest_unit: int, largest_tensor: int) -> dict[str, int]:
     return {k: min(v, DEEPSPEED_SIZES[k]) for k, v in sized.items()}
 
 
-def zero_sizes(zero: Mapping[str, Any], largest_unit: int, largest_tensor: int) -> dict[str, int]:
+def zero_sizes(zero: Mapping[str, Any], largest_unit: int, largest_tensor: int, total: int = 0) -> dict[str, int]:
     """The sizes in force: the user's config's where it sets them, else :func:`sized_for`'s, else DeepSpeed's."""
-    picked = {**DEEPSPEED_SIZES, **sized_for(largest_unit, largest_tensor)}
+    picked = {**DEEPSPEED_SIZES, **sized_for(largest_unit, largest_tensor, total)}
     return {k: int(zero[k]) if isinstance(zero.get(k), (int, float)) else v for k, v in picked.items()}
 
 
-def model_sizes(module: nn.Module) -> tuple[int, int]:
-    """The elements of ``module``'s largest unit (:func:`parallelx.transforms.units.default_units`) and of its
-    largest parameter, whole (a ZeRO-3 parameter already partitioned counts its ``ds_numel``)."""
+def model_sizes(module: nn.Module) -> tuple[int, int, int]:
+    """The elements of ``module``'s largest unit (:func:`parallelx.transforms.units.default_units`), of its
+    largest parameter and of all its parameters, whole (a ZeRO-3 parameter already partitioned counts its
+    ``ds_numel``; a tied weight once)."""
 
     def numel(p: torch.Tensor) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
@@ -139,13 +146,14 @@ def model_sizes(module: nn.Module) -> tuple[int, int]:
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
         largest_unit = max(largest_unit, sum(numel(p) for p in own))
-    return largest_unit, max((numel(p) for p in module.parameters()), default=0)
+    sizes = [numel(p) for p in module.parameters()]  # parameters() yields a tied weight once
+    return largest_unit, max(sizes, default=0), sum(sizes)
 
 
-def with_sizes(cfg: dict[str, Any], largest_unit: int, largest_tensor: int) -> dict[str, Any]:
+def with_sizes(cfg: dict[str, Any], largest_unit: int, largest_tensor: int, total: int = 0) -> dict[str, Any]:
     """``cfg`` with ZeRO's buffer sizes the user's config left unset (or ``"auto"``) sized for the model."""
     zero = dict(cfg["zero_optimization"])
-    zero.update(zero_sizes(zero, largest_unit, largest_tensor))
+    zero.update(zero_sizes(zero, largest_unit, largest_tensor, total))
     return {**cfg, "zero_optimization": zero}
 
 
@@ -369,7 +377,7 @@ def zero_memory(stage: int, model: ModelCounts, world_size: int, training: Train
     bucket of ``reduce_bucket_size`` elements, ZeRO-3 gathers at most
     ``stage3_max_live_parameters`` elements plus one prefetch."""
     n = max(1, world_size)
-    sizes = zero_sizes({}, model.largest_unit_numel, model.largest_tensor_numel)
+    sizes = zero_sizes({}, model.largest_unit_numel, model.largest_tensor_numel, model.numel)
     numel = model.trainable_numel
     half = training.precision == "16-mixed"
     elem = 2 if half else max(1, model.trainable_bytes // max(1, numel))

@@ -37,7 +37,7 @@ def main() -> int:
     args, _ = parser.parse_known_args()  # the deepspeed launcher adds --local_rank
     torch.set_num_threads(1)
     engine_steps.init_world(args.launcher)  # parallelx's backends adopt the group, and leave it
-    job = engine_steps.TINY
+    job = engine_steps.COUNTED
     report: dict[str, dict] = {}
     for engine, (launcher, _) in engine_steps.ENGINES.items():
         if launcher != args.launcher:
@@ -59,7 +59,7 @@ def main() -> int:
                 entry[impl] = {**counts.as_dict(), "losses": losses}
             report[engine] = entry
     if args.launcher == "torchrun":
-        report["precisions"] = precisions(job)
+        report["precisions"] = precisions(engine_steps.TINY)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))

@@ -102,7 +102,7 @@ def test_layout_shards_what_it_names_and_rounds_up():
 
 def test_each_backend_gives_its_rows_from_its_strategy():
     with torch.device("meta"):
-        c = estimate.count_model(Tied(vocab=1000, width=512))  # blocks above the smallest bucket
+        c = estimate.count_model(Tied(vocab=1000, width=2048))  # more than one bucket holds
     t = estimate.Training()
     (ddp,) = DDPStrategy.estimate_memory(c, 4, t)
     assert ddp.extra == c.trainable_bytes and ddp.params == c.param_bytes  # DDP's buckets
@@ -128,7 +128,7 @@ def test_zero3_set_up_holds_the_partitions_and_the_engine_waits_for_the_first_fo
     AdamW's state at the first step, both in the peak.  Float32 weights are their own masters;
     under 16-mixed a float32 partition is added."""
     with torch.device("meta"):
-        c = estimate.count_model(Tied(vocab=1000, width=512))
+        c = estimate.count_model(Tied(vocab=1000, width=2048))  # more than one bucket holds
     t = estimate.Training(build="meta")
     zero3 = {r.backend: r for r in DeepSpeedStrategy.estimate_memory(c, 2, t)}["deepspeed zero3"]
     share = estimate.shard(c.trainable_bytes, 2)
@@ -154,6 +154,12 @@ def test_zero_sizes_follow_the_model_and_the_users_config_wins():
     assert big["reduce_bucket_size"] == ds_config.DEEPSPEED_SIZES["reduce_bucket_size"]
     assert ds_config.zero_sizes({}, 10, 10)["reduce_bucket_size"] == ds_config.SMALLEST_BUCKET
     assert ds_config.zero_sizes({}, 10, 5_000_000)["allgather_bucket_size"] == 5_000_000
+    # A model up to WHOLE_MODEL_BUCKET elements has one bucket for all of it (DeepSpeed's collectives per step);
+    # a bigger one at least that much beside its largest block.
+    small = ds_config.zero_sizes({}, largest_unit=800_000, largest_tensor=130_000, total=3_300_000)
+    assert small["reduce_bucket_size"] == small["sub_group_size"] == small["stage3_prefetch_bucket_size"] == 3_300_000
+    bigger = ds_config.zero_sizes({}, largest_unit=2_000_000, largest_tensor=1, total=10**9)
+    assert bigger["reduce_bucket_size"] == ds_config.WHOLE_MODEL_BUCKET
     mine = ds_config.zero_sizes({"reduce_bucket_size": 123, "stage3_prefetch_bucket_size": "auto"}, 12_000_000, 1)
     assert mine["reduce_bucket_size"] == 123 and mine["stage3_prefetch_bucket_size"] == 12_000_000
 
