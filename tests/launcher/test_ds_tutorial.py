@@ -5,7 +5,8 @@ optional MoE layer) under plain DeepSpeed, against its parallelx port
 summation order.  With MoE (ZeRO 0-2; DeepSpeed has none under ZeRO-3) the port's ``backend.save``
 holds every expert, rank 1's included, and a run resumed from its halfway checkpoint (the positional
 and the named optimizer state) ends bitwise where the uninterrupted run ended; the other backends
-refuse DeepSpeed's MoE layer at set-up with a ParallelxError."""
+refuse DeepSpeed's MoE layer at set-up with a ParallelxError.  Under DeepSpeed every stage runs in one
+launch (``tests/support/zero_stages.py``), the original's and the port's each."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 ORIGINAL = "tests/support/ds_tutorial_original.py"
 PORT = "tests/support/ds_tutorial_port.py"
 TIMEOUT = 300
+#: A launch of every stage (two of them fit the test's own timeout).
+STAGES_TIMEOUT = 420
 #: Float summation order (ZeRO's partitions, one process's batch of 16 against two of 8) over 8 AdamW
 #: steps; measured 2.9e-7 (ZeRO-1 with MoE).
 TOLERANCE = 1e-5
@@ -53,7 +56,27 @@ REFUSED: dict[str, tuple[str, list[str]]] = {
     "single-moe": ("python", ["--backend", "single", "--moe", "--ep-world-size", "1"]),
 }
 
-_originals: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
+#: The DeepSpeed stages each launch runs (``tests/support/zero_stages.py``): one DeepSpeed start for all.
+STAGES = {False: (0, 1, 2, 3), True: (0, 1, 2)}
+_runs: dict[tuple[str, bool], Path] = {}
+
+
+def stages_run(script: str, moe: bool, extra: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``script`` under the deepspeed launcher at every stage of :data:`STAGES`, once per module: the
+    folder holding ``zero<S>/`` for each."""
+    if (script, moe) not in _runs:
+        require_launcher("deepspeed")
+        out = tmp_path_factory.mktemp(f"{Path(script).stem}{'-moe' if moe else ''}")
+        stages = [str(z) for z in STAGES[moe]]
+        res = launch(
+            "deepspeed",
+            ["tests/support/zero_stages.py", script, "--stages", *stages, "--out", str(out), *extra],
+            timeout=STAGES_TIMEOUT,
+            env=DS_ENV,
+        )
+        assert res.returncode == 0, res.tail()
+        _runs[script, moe] = out
+    return _runs[script, moe]
 
 
 def whole(folder: Path) -> dict[str, torch.Tensor]:
@@ -71,19 +94,20 @@ def whole(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def original(stage: int, moe: bool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The tutorial under plain DeepSpeed at ``stage`` (launched once per module)."""
-    if (stage, moe) not in _originals:
-        require_launcher("deepspeed")
-        out = tmp_path_factory.mktemp(f"original-zero{stage}{'-moe' if moe else ''}")
-        res = launch(
-            "deepspeed",
-            [ORIGINAL, "--stage", str(stage), "--out", str(out), *(["--moe"] if moe else [])],
-            timeout=TIMEOUT,
-            env=DS_ENV,
-        )
-        assert res.returncode == 0, res.tail()
-        _originals[stage, moe] = whole(out)
-    return _originals[stage, moe]
+    """The tutorial's weights under plain DeepSpeed at ``stage``."""
+    return whole(stages_run(ORIGINAL, moe, ["--moe"] if moe else [], tmp_path_factory) / f"zero{stage}")
+
+
+def ported(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the port's run of ``case``: DeepSpeed's stages share one launch, the others launch alone."""
+    launcher, args, stage = PORTS[case]
+    if launcher == "deepspeed":
+        extra = [a for i, a in enumerate(args) if a != "--stage" and (i == 0 or args[i - 1] != "--stage")]
+        return stages_run(PORT, "--moe" in args, extra, tmp_path_factory) / f"zero{stage}"
+    require_launcher(launcher)
+    res = launch(launcher, [PORT, *args, "--out", str(tmp_path)], timeout=TIMEOUT)
+    assert res.returncode == 0, res.tail()
+    return tmp_path
 
 
 def worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -96,10 +120,8 @@ def test_the_port_trains_the_originals_weights(case, tmp_path, tmp_path_factory,
     launcher, args, stage = PORTS[case]
     moe = "--moe" in args
     ref = original(stage, moe, tmp_path_factory)
-    require_launcher(launcher)
-    res = launch(launcher, [PORT, *args, "--out", str(tmp_path)], timeout=TIMEOUT)
-    assert res.returncode == 0, res.tail()
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    out = ported(case, tmp_path, tmp_path_factory)
+    final = torch.load(out / "final.pt", weights_only=True)
     diff = worst(final["model"], ref)
     record_property("max_abs_weight_diff", diff)
     norms = [norm for _, norm in final["figures"]]
@@ -108,10 +130,10 @@ def test_the_port_trains_the_originals_weights(case, tmp_path, tmp_path_factory,
     if moe:
         experts = sorted(k for k in final["model"] if "deepspeed_experts" in k)
         assert [k.split("deepspeed_experts.")[1] for k in experts] == ["0.bias", "0.weight", "1.bias", "1.weight"]
-        halfway = torch.load(tmp_path / "halfway.pt", weights_only=True)
+        halfway = torch.load(out / "halfway.pt", weights_only=True)
         assert halfway["model"].keys() == final["model"].keys()
         for form in ("positional", "named"):
-            resumed = torch.load(tmp_path / f"resumed-{form}.pt", weights_only=True)
+            resumed = torch.load(out / f"resumed-{form}.pt", weights_only=True)
             assert worst(resumed, final["model"]) == 0.0, f"{case}: resumed from the {form} state"
 
 
