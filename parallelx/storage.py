@@ -240,6 +240,20 @@ def read_bytes(loc: Location) -> bytes:
     return bytes(_call(loc, "reading", lambda: fs.cat_file(path)))
 
 
+def read_range(loc: Location, start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of the file at ``loc`` (one ranged read from a store: a tensor's rows
+    without the rest of its file); FileNotFoundError where there is none."""
+    if isinstance(loc, Path):
+        with open(loc, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, path = _filesystem(loc)
+    data = bytes(_call(loc, "reading", lambda: fs.cat_file(path, start=start, end=end)))
+    if len(data) != end - start:
+        raise StoreError(f"reading {show(loc)} failed: bytes {start}-{end} asked, {len(data)} came (a shorter file)")
+    return data
+
+
 def load(loc: Location, *, weights_only: bool = True) -> Any:
     """``torch.load`` of the file at ``loc`` onto the CPU, as strict as a local file
     (``weights_only``); a missing or unreadable file is one clear error."""

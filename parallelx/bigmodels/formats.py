@@ -7,6 +7,11 @@ dtypes from the headers, and :meth:`WeightFile.rows` reading a tensor's dim-0 ro
 (safetensors' ``get_slice``: only those bytes leave the disk).  :attr:`WeightFile.bytes_read`
 counts what was read, so a test can show that a rank read its share.
 
+Each of those may be a URL of an object store (``s3://bucket/llama``, :mod:`parallelx.storage`):
+a safetensors header is one ranged read, and a tensor's rows another, so a rank fetches only its
+share there too; a ``torch.save`` file in a store is read whole into memory (it has no index of
+its tensors to read from).
+
 :func:`match_names` pairs a model's names with a file's: equal once ``_orig_mod.`` (torch.compile),
 a leading ``module.`` (DDP, DataParallel) and ``_checkpoint_wrapped_module.`` (activation
 checkpointing) are set aside on both sides, as the portable checkpoints match them.
@@ -23,7 +28,9 @@ from typing import Any
 
 import torch
 
+from parallelx import storage
 from parallelx.errors import ParallelxError
+from parallelx.storage import Location
 
 __all__ = ["INDEX", "WeightFile", "match_names", "normal_name", "open_weights"]
 
@@ -58,11 +65,11 @@ def normal_name(name: str) -> str:
 class WeightFile:
     """Tensors on disk, by name, read a slice at a time."""
 
-    #: name -> (file, shape, dtype)
-    entries: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]
-    #: Bytes handed out by :meth:`rows` so far (what left the disk, rounded to rows).
+    #: name -> (file: a local path or a URL, shape, dtype)
+    entries: dict[str, tuple[Location, tuple[int, ...], torch.dtype]]
+    #: Bytes handed out by :meth:`rows` so far (what left the disk or the store, rounded to rows).
     bytes_read: int = 0
-    _handles: dict[Path, Any] = dataclasses.field(default_factory=dict)
+    _handles: dict[Location, Any] = dataclasses.field(default_factory=dict)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -80,7 +87,7 @@ class WeightFile:
         """Rows ``start:stop`` of tensor ``name`` (all of it by default), in memory of their own."""
         path, shape, _ = self.entries[name]
         handle = self._open(path)
-        if path.suffix == ".safetensors":
+        if _is_safetensors(path):
             piece = handle.get_slice(name)
             value = piece[start:stop] if shape else piece[:]
             value = value.clone() if not value.is_contiguous() else value
@@ -93,10 +100,12 @@ class WeightFile:
     def close(self) -> None:
         self._handles.clear()
 
-    def _open(self, path: Path) -> Any:
+    def _open(self, path: Location) -> Any:
         handle = self._handles.get(path)
         if handle is None:
-            if path.suffix == ".safetensors":
+            if storage.is_remote(path):
+                handle = _RemoteSafetensors(str(path)) if _is_safetensors(path) else _torch_file(str(path))
+            elif _is_safetensors(path):
                 from safetensors import safe_open
 
                 handle = safe_open(str(path), framework="pt")
@@ -106,6 +115,56 @@ class WeightFile:
         return handle
 
 
+def _is_safetensors(path: Location) -> bool:
+    return storage.name(path).endswith(".safetensors")
+
+
+class _RemoteSafetensors:
+    """A safetensors file in a store, read as ``safe_open`` reads a local one: the header once, then
+    each slice asked for by one ranged read of its rows."""
+
+    def __init__(self, loc: str) -> None:
+        self.loc = loc
+        length = int.from_bytes(storage.read_range(loc, 0, 8), "little")
+        self.header = json.loads(storage.read_range(loc, 8, 8 + length))
+        self.data_start = 8 + length
+
+    def get_slice(self, name: str) -> _RemoteSlice:
+        return _RemoteSlice(self, name)
+
+
+class _RemoteSlice:
+    def __init__(self, file: _RemoteSafetensors, name: str) -> None:
+        info = file.header[name]
+        self.file = file
+        self.shape = tuple(int(n) for n in info["shape"])
+        self.dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        self.begin, self.end = (int(x) for x in info["data_offsets"])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        if not self.shape:  # a 0-dim tensor: its one element
+            data = storage.read_range(self.file.loc, self.file.data_start + self.begin, self.file.data_start + self.end)
+            return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(())
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, "rows are read as one range"
+        stop = max(start, stop)
+        row_bytes = (self.end - self.begin) // self.shape[0] if self.shape[0] else 0
+        first = self.file.data_start + self.begin + start * row_bytes
+        data = storage.read_range(self.file.loc, first, first + (stop - start) * row_bytes) if stop > start else b""
+        flat = torch.frombuffer(bytearray(data), dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
+        return flat.reshape(stop - start, *self.shape[1:])
+
+
+def _torch_file(loc: str) -> Mapping[str, torch.Tensor]:
+    """A ``torch.save`` state dict in a store, read whole (it has no index to read a slice by)."""
+    state = storage.load(loc)
+    if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
+        state = state["state_dict"]
+    if not isinstance(state, Mapping):
+        raise ParallelxError(f"{storage.show(loc)}: not a state dict (a mapping of names to tensors)")
+    return state
+
+
 def _numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:
@@ -113,48 +172,53 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _safetensors_header(path: Location) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     # The header alone (8 bytes of length, then JSON): no tensor is read to list them.
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
+    length = int.from_bytes(storage.read_range(path, 0, 8), "little")
+    header = json.loads(storage.read_range(path, 8, 8 + length))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
-            raise ParallelxError(f"{path}: tensor {name} has dtype {info['dtype']}, which parallelx does not read")
+            raise ParallelxError(
+                f"{storage.show(path)}: tensor {name} has dtype {info['dtype']}, which parallelx does not read"
+            )
         out[name] = (tuple(info["shape"]), dtype)
     return out
 
 
 def open_weights(path: str | os.PathLike[str]) -> WeightFile:
-    """The weights at ``path``: a ``.safetensors`` file, a ``torch.save`` state dict, or a Hugging Face
-    model folder (sharded safetensors with ``model.safetensors.index.json``, ``model.safetensors``,
-    or ``pytorch_model.bin``)."""
-    path = Path(path)
-    files: list[Path]
-    if path.is_dir():
-        if (path / INDEX).is_file():
-            index = json.loads((path / INDEX).read_text())
-            files = sorted({path / f for f in index["weight_map"].values()})
-        elif (path / "model.safetensors").is_file():
-            files = [path / "model.safetensors"]
-        elif (path / "pytorch_model.bin").is_file():
-            files = [path / "pytorch_model.bin"]
-        else:
-            raise ParallelxError(
-                f"{path}: no weights found (expected {INDEX}, model.safetensors or pytorch_model.bin in the folder)"
-            )
-    elif path.is_file():
-        files = [path]
+    """The weights at ``path`` (a local path or a URL): a ``.safetensors`` file, a ``torch.save`` state
+    dict, or a Hugging Face model folder (sharded safetensors with ``model.safetensors.index.json``,
+    ``model.safetensors``, or ``pytorch_model.bin``)."""
+    loc = storage.location(path)
+    files: list[Location]
+    if storage.is_file(loc):
+        files = [loc]
+    elif storage.is_file(storage.join(loc, INDEX)):
+        index = json.loads(storage.read_bytes(storage.join(loc, INDEX)))
+        files = [storage.join(loc, f) for f in sorted(set(index["weight_map"].values()))]
+    elif storage.is_file(storage.join(loc, "model.safetensors")):
+        files = [storage.join(loc, "model.safetensors")]
+    elif storage.is_file(storage.join(loc, "pytorch_model.bin")):
+        files = [storage.join(loc, "pytorch_model.bin")]
+    elif (isinstance(loc, Path) and loc.is_dir()) or storage.listdir(loc):
+        raise ParallelxError(
+            f"{storage.show(loc)}: no weights found (expected {INDEX}, model.safetensors or pytorch_model.bin in "
+            "the folder)"
+        )
     else:
-        raise ParallelxError(f"{path}: no such file or folder of weights")
-    entries: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
+        raise ParallelxError(f"{storage.show(loc)}: no such file or folder of weights")
+    entries: dict[str, tuple[Location, tuple[int, ...], torch.dtype]] = {}
     for f in files:
-        if f.suffix == ".safetensors":
+        if _is_safetensors(f):
             found = _safetensors_header(f)
+        elif storage.is_remote(f):
+            found = {
+                k: (tuple(v.shape), v.dtype) for k, v in _torch_file(str(f)).items() if isinstance(v, torch.Tensor)
+            }
         else:
             state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
             if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):

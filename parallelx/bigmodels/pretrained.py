@@ -47,6 +47,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str] | WeightFile,
     """Load the weights at ``path`` (a ``torch.save`` state dict, a ``.safetensors`` file, or a Hugging
     Face model folder: sharded safetensors with ``model.safetensors.index.json``) into ``model``,
     before ``backend.setup``; returns the opened file (its ``bytes_read`` counts what was read).
+    ``path`` may be a URL of an object store (``s3://bucket/model``): safetensors are read there by
+    ranged reads, a slice at a time, as from a disk.
 
     A model on the meta device (``parallelx.init_module()`` or ``torch.device("meta")``) reads
     nothing now: set-up reads, on each rank, only the slices that rank keeps (fsdp, ZeRO-3).  Names

@@ -17,6 +17,7 @@ from trainstate_worker import Run
 
 import parallelx
 from parallelx import ParallelxError, storage
+from parallelx.bigmodels.formats import INDEX
 from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
 
 
@@ -196,3 +197,59 @@ def test_a_background_save_to_the_store_is_complete_only_once_committed(s3_env, 
     resumed = Run(backend, "adamw", init_seed=5)
     resumed.load(second)
     assert all(torch.equal(resumed.weights()[k], at_save[k]) for k in at_save)
+
+
+def _upload(url: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        storage.write(storage.join(url, name), lambda f, data=data: f.write(data))
+
+
+def test_pretrained_weights_load_from_the_store_reading_only_what_is_asked(s3_env, backend, tmp_path):
+    """``load_pretrained("s3://...")``: a Hugging Face folder of two safetensors shards and its index, and
+    a ``torch.save`` file, in the store; an eager model and one built under ``init_module`` (read at
+    set-up) get the weights bit for bit; a tensor's rows are one ranged read of those bytes only; a URL
+    with nothing there is one error naming it."""
+    import json
+
+    from safetensors.torch import save
+
+    from parallelx.bigmodels.formats import open_weights
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 6))
+
+    torch.manual_seed(0)
+    source = {k: v.detach().clone() for k, v in net().state_dict().items()}
+    store, bucket = s3_env
+    folder = f"s3://{bucket}/pretrained/net"
+    first = {k: v for k, v in source.items() if k.startswith("0.")}
+    second = {k: v for k, v in source.items() if k.startswith("2.")}
+    index = {
+        "metadata": {},
+        "weight_map": {**dict.fromkeys(first, "a.safetensors"), **dict.fromkeys(second, "b.safetensors")},
+    }
+    _upload(folder, {"a.safetensors": save(first), "b.safetensors": save(second), INDEX: json.dumps(index).encode()})
+    saved = tmp_path / "net.pt"
+    torch.save(source, saved)
+    _upload(f"s3://{bucket}/pretrained", {"net.pt": saved.read_bytes()})
+
+    for url in (folder, f"s3://{bucket}/pretrained/net.pt"):
+        torch.manual_seed(1)
+        eager = net()
+        weights = parallelx.load_pretrained(eager, url)
+        assert all(torch.equal(eager.state_dict()[k], v) for k, v in source.items()), url
+        assert weights.bytes_read == weights.total_bytes() == sum(v.numel() * 4 for v in source.values())
+        with parallelx.init_module():
+            meta = net()
+        weights = parallelx.load_pretrained(meta, url)
+        assert weights.bytes_read == 0  # nothing read before set-up
+        model, _ = backend.setup(meta)
+        state = backend.model_state_dict(model)
+        assert all(torch.equal(state[k], v) for k, v in source.items()), url
+
+    file = open_weights(folder)
+    rows = file.rows("0.weight", 5, 9)
+    assert torch.equal(rows, source["0.weight"][5:9]) and file.bytes_read == 4 * 24 * 4
+    with pytest.raises(ParallelxError, match="no such file or folder of weights") as missing:
+        parallelx.load_pretrained(net(), f"s3://{bucket}/pretrained/none")
+    assert f"s3://{bucket}/pretrained/none" in str(missing.value)
