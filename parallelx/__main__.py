@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
+from parallelx import storage
 from parallelx.bigmodels import estimate
 from parallelx.check import command as check_command
 from parallelx.checkpoints import sharded
@@ -28,6 +28,7 @@ from parallelx.errors import ParallelxError
 from parallelx.launching import envreport
 from parallelx.launching.runner import launch
 from parallelx.registry import available_backends, backend_class, describe, detect_backend, markdown_table
+from parallelx.storage import Location
 from parallelx.strategy import BackendSpec
 from parallelx.tensor_parallel.plan import find_plan, split_shares
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             return envreport.network_main(args.master_addr, args.master_port, args.wait)
         return envreport.main(_descriptions(), detect_backend())
     if args.command == "convert-checkpoint":
-        return _convert(Path(args.src), Path(args.dst), args.to, args.max_shard_size)
+        return _convert(storage.location(args.src), storage.location(args.dst), args.to, args.max_shard_size)
     if args.command == "check":
         return check_command.main(args, target)
     if args.command == "estimate":
@@ -206,17 +207,20 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(src: Path, dst: Path, to: str = "torch", max_shard_size: str | None = None) -> int:
-    found = src if (src / STATE_FILE).is_file() else latest_checkpoint(src)
+def _convert(src: Location, dst: Location, to: str = "torch", max_shard_size: str | None = None) -> int:
+    """SRC and DST each a local path or a URL: a checkpoint in a store is a whole one (DCP shards are
+    written to local disks only), and the files written go to DST whole, as every save does there."""
+    found = src if storage.is_file(storage.join(src, STATE_FILE)) else latest_checkpoint(src)
     if found is None:
-        raise ParallelxError(f"{src} holds no training-state checkpoint (no {STATE_FILE}, no checkpoints/latest)")
-    if not isinstance(found, Path):  # a run directory's checkpoints in a store: not read from there yet
-        raise ParallelxError(f"convert-checkpoint reads a local checkpoint; {found} is in an object store")
+        raise ParallelxError(
+            f"{storage.show(src)} holds no training-state checkpoint (no {STATE_FILE}, no checkpoints/latest)"
+        )
+    state_file = storage.join(found, STATE_FILE)
     if to == "safetensors":
-        files = sharded.convert_to_safetensors(found / STATE_FILE, dst, max_shard_size=max_shard_size)
-        print(f"wrote {len(files)} safetensors file(s) under {dst} from {found}")
+        files = sharded.convert_to_safetensors(state_file, dst, max_shard_size=max_shard_size)
+        print(f"wrote {len(files)} safetensors file(s) under {storage.show(dst)} from {storage.show(found)}")
         return 0
-    print(f"wrote {sharded.convert(found / STATE_FILE, dst)} from {found}")
+    print(f"wrote {storage.show(sharded.convert(state_file, dst))} from {storage.show(found)}")
     return 0
 
 

@@ -19,18 +19,23 @@ a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from parallelx import storage
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, write_safetensors
+from parallelx.bigmodels.formats import INDEX
 from parallelx.errors import ParallelxError
 from parallelx.parts import portable as checkpoint
 from parallelx.parts.stateio import StateIO, plain_key
+from parallelx.storage import Location
 
 #: The DCP folder inside a checkpoint directory.
 SHARDS = "shards"
@@ -91,44 +96,74 @@ def load(io: StateIO, path: Path, model: Any, optimizer: Any, saved_optimizer: d
     io.load_named_optimizer_state(model, optimizer, {**saved_optimizer, "state": optim})
 
 
-def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Location:
     """Write the portable single file of the sharded checkpoint whose
-    ``state.pt`` is ``state_file`` to ``dst``: ``state.pt``'s layout with the
+    ``state.pt`` is ``state_file`` to ``dst`` (a path or a URL): ``state.pt``'s layout with the
     whole model and optimizer in it, readable by ``torch.load(dst,
     weights_only=True)``.  One process, no launcher."""
-    path = Path(state_file).parent
     state = checkpoint.load(state_file)
+    folder = _folder(state_file)
     if not isinstance(state, dict) or not state.get("meta", {}).get("sharded"):
         raise ParallelxError(
-            f"{path} is not a sharded checkpoint: its {Path(state_file).name} already is the portable file"
+            f"{storage.show(folder)} is not a sharded checkpoint: its {storage.name(storage.location(state_file))} "
+            "already is the portable file"
         )
-    weights, optim = read_whole(path)
+    assert isinstance(folder, Path)  # DCP shards are only ever written to a local disk
+    weights, optim = read_whole(folder)
     state["model"] = weights
     state["optimizer"] = {**state["optimizer"], "state": optim}
     state["meta"] = {**state["meta"], "sharded": False}
     checkpoint.atomic_save(state, dst)
-    return Path(dst)
+    return storage.location(dst)
+
+
+def _copy_into(source: Path, out: IO[bytes]) -> None:
+    with open(source, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 24)
+
+
+def _folder(state_file: str | os.PathLike[str]) -> Location:
+    """The checkpoint directory holding ``state_file`` (a path or a URL)."""
+    loc = storage.location(state_file)
+    return loc.parent if isinstance(loc, Path) else loc.rsplit("/", 1)[0]
 
 
 def convert_to_safetensors(
     state_file: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_size: int | str | None = None
-) -> list[Path]:
+) -> list[Location]:
     """Write the model of the training-state checkpoint whose ``state.pt`` is ``state_file`` (sharded
     or not) under the folder ``dst`` as Hugging Face and safetensors load it (``model.safetensors``,
     or shards and their index with ``max_shard_size``).  A sharded checkpoint is read one tensor at a
     time from its shards, so no more than one tensor is ever whole in memory.  A checkpoint keeps a tied
-    tensor under each of its names, and so does the file.  One process, no launcher."""
-    path = Path(state_file).parent
+    tensor under each of its names, and so does the file.  One process, no launcher.  ``dst`` may be a
+    URL: the files are written to a local temporary folder first, then each is uploaded whole."""
+    target = storage.location(dst)
+    if storage.is_remote(target):
+        with tempfile.TemporaryDirectory(prefix="parallelx-convert-") as staging:
+            written = convert_to_safetensors(state_file, staging, max_shard_size=max_shard_size)
+            out: list[Location] = []
+            for f in written:
+                assert isinstance(f, Path)
+                there = storage.join(target, f.name)
+                storage.write(there, functools.partial(_copy_into, f))
+                out.append(there)
+            if (Path(staging) / INDEX).is_file():
+                storage.write_text(storage.join(target, INDEX), (Path(staging) / INDEX).read_text())
+            return out
     state = checkpoint.load(state_file)
     if not isinstance(state, dict) or "model" not in state:
-        raise ParallelxError(f"{state_file} is not a training-state checkpoint (no model in it)")
+        raise ParallelxError(f"{storage.show(state_file)} is not a training-state checkpoint (no model in it)")
     if not state.get("meta", {}).get("sharded"):
         whole = {plain_key(k): v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
         tensors = [TensorInfo(k, tuple(v.shape), v.dtype) for k, v in whole.items()]
         whole_pieces = [Piece(k, 0, v.reshape(-1)) for k, v in whole.items()]
-        return write_safetensors(
-            Layout(tensors, whole_pieces), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+        return list(
+            write_safetensors(
+                Layout(tensors, whole_pieces), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+            )
         )
+    path = _folder(state_file)
+    assert isinstance(path, Path)  # DCP shards are only ever written to a local disk
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -147,6 +182,8 @@ def convert_to_safetensors(
             dcp.load(one, storage_reader=dcp.FileSystemReader(str(path / SHARDS)), no_dist=True)
             yield Piece(info.name, 0, one[k].reshape(-1))
 
-    return write_safetensors(
-        Layout(tensors, read_pieces()), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+    return list(
+        write_safetensors(
+            Layout(tensors, read_pieces()), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
+        )
     )

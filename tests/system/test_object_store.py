@@ -253,3 +253,34 @@ def test_pretrained_weights_load_from_the_store_reading_only_what_is_asked(s3_en
     with pytest.raises(ParallelxError, match="no such file or folder of weights") as missing:
         parallelx.load_pretrained(net(), f"s3://{bucket}/pretrained/none")
     assert f"s3://{bucket}/pretrained/none" in str(missing.value)
+
+
+def test_convert_checkpoint_reads_and_writes_the_store(s3_env, backend, capsys):
+    """``python -m parallelx convert-checkpoint s3://.../run s3://.../hf --to safetensors``: the newest
+    complete checkpoint of a run in the store becomes a Hugging Face folder in the store (shards and
+    their index), which ``load_pretrained`` reads back bit for bit; a whole checkpoint asked for as a
+    portable file is one error naming its URL as written."""
+    from parallelx.__main__ import main
+
+    store, bucket = s3_env
+    url = f"s3://{bucket}/convert"
+    run = Run(backend, "adamw")
+    run.train(1)
+    run.save(url)
+    weights = backend.model_state_dict(run.model)
+    out = f"s3://{bucket}/convert-hf"
+    assert main(["convert-checkpoint", url, out, "--to", "safetensors", "--max-shard-size", "300B"]) == 0
+    assert f"under {out} from {url}/checkpoints/step-" in capsys.readouterr().out
+    names = sorted(k.rsplit("/", 1)[-1] for k in store.keys(bucket, "convert-hf/"))
+    assert INDEX in names and sum(n.endswith(".safetensors") for n in names) >= 2, names
+    torch.manual_seed(5)
+    fresh = Run(backend, "adamw", init_seed=5).model
+    parallelx.load_pretrained(backend.unwrap(fresh), out)
+    again = backend.model_state_dict(fresh)
+    assert again.keys() == weights.keys() and all(torch.equal(again[k], v) for k, v in weights.items())
+    with pytest.raises(SystemExit) as stop:
+        main(["convert-checkpoint", url, f"s3://{bucket}/convert.pt"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "already is the portable file" in err and f"{url}/checkpoints/step-" in err, err
+    assert f"s3:/{bucket}" not in err, err  # the URL as written, never folded into a path
