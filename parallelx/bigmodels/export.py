@@ -10,7 +10,9 @@ flattened elements (a ZeRO-3 partition) therefore holds one contiguous run of th
 in the file.  Rank 0 lays the files out (the same layout on every rank: names, shapes and dtypes
 only), writes the headers and sizes the files; then every rank writes its own runs at their offsets,
 and the tensors a backend keeps whole are written by rank 0.  No rank holds more than its share:
-the files must be on a filesystem every rank sees (one machine, or a shared one).  A tied tensor is
+the files must be on a filesystem every rank sees (one machine, or a shared one).  A URL of an
+object store takes each file whole: there the pieces of one file at a time are gathered and rank 0
+uploads it (:func:`upload_safetensors`).  A tied tensor is
 stored once, under the first name ``state_dict`` gives it (``transformer.wte.weight``, not
 ``lm_head.weight``), as Hugging Face stores it.
 """
@@ -18,12 +20,13 @@ stored once, under the first name ``state_dict`` gives it (``transformer.wte.wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import torch
 from torch import nn
@@ -176,11 +179,7 @@ def write_safetensors(
     when ``max_shard_size`` splits them.  Every rank calls it (a collective: two barriers)."""
     folder = Path(path)
     files = plan_files(layout.tensors, parse_size(max_shard_size))
-    names = (
-        ["model.safetensors"]
-        if len(files) == 1
-        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    )
+    names = file_names(len(files))
     meta = {"format": "pt", **(metadata or {})}
     where: dict[str, tuple[Path, int]] = {}
     heads = []
@@ -195,11 +194,7 @@ def write_safetensors(
                 f.write(head)
                 f.truncate(len(head) + sum(t.nbytes for t in group))
         if len(files) > 1:
-            index = {
-                "metadata": {"total_size": sum(t.nbytes for t in layout.tensors)},
-                "weight_map": {t.name: n for n, group in zip(names, files, strict=True) for t in group},
-            }
-            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+            (folder / INDEX).write_text(index_json(names, files))
         elif (folder / INDEX).exists():
             (folder / INDEX).unlink()  # a previous save's index would point at shards no longer written
     barrier()
@@ -226,6 +221,78 @@ def write_safetensors(
     return [folder / n for n in names]
 
 
+def _put(data: bytes | bytearray, out: IO[bytes]) -> None:
+    out.write(data)
+
+
+def file_names(count: int) -> list[str]:
+    """The weight files of a folder of ``count`` of them, as Hugging Face names them."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def index_json(names: Sequence[str], files: Sequence[Sequence[TensorInfo]]) -> str:
+    """``model.safetensors.index.json`` of a folder of shards."""
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
+        "weight_map": {t.name: n for n, group in zip(names, files, strict=True) for t in group},
+    }
+    return json.dumps(index, indent=2, sort_keys=True)
+
+
+#: The files of a folder written to a store when the caller gives no ``max_shard_size``: each file's
+#: pieces meet in memory (every rank's, on every rank) before it is uploaded whole.
+STORE_SHARD_SIZE = "2GB"
+
+
+def upload_safetensors(
+    layout: Layout,
+    url: str,
+    *,
+    rank: int,
+    all_gather_object: Callable[[Any], list[Any]],
+    max_shard_size: int | str | None = None,
+) -> list[str]:
+    """Write ``layout`` under the store folder ``url``, one file at a time: every rank's pieces of the
+    file gathered (a collective per file, in the same order on every rank), rank 0 puts them at their
+    offsets and uploads the file whole, as every write to a store is.  A rank holds at most one file
+    (``max_shard_size``; :data:`STORE_SHARD_SIZE` if None), never the whole model of a big one."""
+    from parallelx import storage
+
+    files = plan_files(layout.tensors, parse_size(max_shard_size if max_shard_size is not None else STORE_SHARD_SIZE))
+    names = file_names(len(files))
+    file_of = {t.name: i for i, group in enumerate(files) for t in group}
+    info = {t.name: t for t in layout.tensors}
+    mine: list[list[Piece]] = [[] for _ in files]
+    for piece in layout.pieces:
+        mine[file_of[piece.name]].append(piece)
+    meta = {"format": "pt"}
+    for fname, group, pieces in zip(names, files, mine, strict=True):
+        sent = [(p.name, p.start, p.values.detach().to("cpu").contiguous()) for p in pieces]
+        everyone = all_gather_object(sent)
+        if rank != 0:
+            continue
+        head, offsets = _header(group, meta)
+        data = bytearray(len(head) + sum(t.nbytes for t in group))
+        data[: len(head)] = head
+        for name, start, values in (entry for ranks_pieces in everyone for entry in ranks_pieces):
+            if values.dtype != info[name].dtype:
+                raise ParallelxError(f"save_pretrained: a piece of {name} is {values.dtype}, the tensor is not")
+            at = len(head) + offsets[name] + start * values.element_size()
+            raw = values.view(torch.uint8).numpy().tobytes()
+            data[at : at + len(raw)] = raw
+        storage.write(storage.join(url, fname), functools.partial(_put, data))
+    if rank == 0:
+        index = storage.join(url, INDEX)
+        if len(files) > 1:
+            storage.write_text(index, index_json(names, files))
+        elif storage.exists(index):
+            storage.remove(index)  # a previous save's index would point at shards no longer written
+    all_gather_object(None)  # every rank returns once the folder is complete
+    return [str(storage.join(url, n)) for n in names]
+
+
 class PieceSource(Protocol):
     def weight_pieces(self, model: nn.Module) -> Layout: ...
 
@@ -246,6 +313,8 @@ class SavingBackend(Protocol):
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
 
 def save_pretrained(
     backend: SavingBackend,
@@ -254,20 +323,38 @@ def save_pretrained(
     *,
     max_shard_size: int | str | None = None,
     config: bool = True,
-) -> list[Path]:
+) -> list[Path] | list[str]:
     """Save ``model``'s weights (set up on ``backend``) under the folder ``path`` as Hugging Face and
     safetensors load them: ``model.safetensors``, or with ``max_shard_size`` (``"5GB"``, bytes) shards
     ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``.  Every rank calls it;
     each writes the bytes it keeps (nothing is gathered; the folder must be one every rank sees).
     With ``config=True`` a model that has a Hugging Face ``config`` gets its ``config.json`` too, so
-    that ``AutoModel.from_pretrained(path)`` loads it.  Returns the weight files."""
+    that ``AutoModel.from_pretrained(path)`` loads it.  Returns the weight files.
+
+    ``path`` may be a URL of an object store (``s3://bucket/model``): a store takes a file whole, so
+    each file's pieces are gathered (on every rank, one file at a time) and rank 0 uploads it; the
+    files are then at most ``max_shard_size``, 2GB when it is not given."""
+    from parallelx import storage
+
     if backend.mesh.tensor_parallel:  # the split layers put together (a collective), rank 0 writes
         layout = whole_state(_user_module(model), backend.model_state_dict(model), backend.rank)
     else:
         layout = backend.strategy.weight_pieces(model)
-    files = write_safetensors(layout, path, rank=backend.rank, barrier=backend.barrier, max_shard_size=max_shard_size)
+    where = storage.location(path)
+    files: list[Path] | list[str]
+    if isinstance(where, str):
+        files = upload_safetensors(
+            layout, where, rank=backend.rank, all_gather_object=backend.all_gather_object, max_shard_size=max_shard_size
+        )
+    else:
+        files = write_safetensors(
+            layout, where, rank=backend.rank, barrier=backend.barrier, max_shard_size=max_shard_size
+        )
     hf_config = getattr(_user_module(model), "config", None)
     if config and backend.rank == 0 and callable(getattr(hf_config, "save_pretrained", None)):
-        hf_config.save_pretrained(str(path))  # type: ignore[union-attr]
+        if isinstance(where, str):
+            storage.write_text(storage.join(where, "config.json"), hf_config.to_json_string())  # type: ignore[union-attr]
+        else:
+            hf_config.save_pretrained(str(where))  # type: ignore[union-attr]
     backend.barrier()
     return files

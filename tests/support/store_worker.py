@@ -4,7 +4,8 @@
 A: train SAVE_AT steps, save to ``--url`` (every step, keep 2), train MORE.  B:
 fresh objects (other initial weights), the latest complete checkpoint found in
 the store as ``--resume auto`` finds it, MORE steps: A == B bitwise.  Also
-``backend.save`` / ``backend.load`` of the weights through the same URL.
+``backend.save`` / ``backend.load`` of the weights through the same URL, and
+``save_pretrained`` into it (``URL/hf``).
 Rank 0 writes ``result.pt`` into the local ``--out``.
 """
 
@@ -35,6 +36,8 @@ def main() -> None:
             a.train(1)
             saved.append(str(a.save(args.url, keep=2)))
         a.train(MORE)
+        # Every rank's pieces (fsdp: each rank's rows) meet in the store's files, 3 of them here.
+        pretrained = parallelx.save_pretrained(backend, a.model, f"{args.url}/hf", max_shard_size="300B")
         weights_url = f"{args.url}/weights.pt"
         backend.save(a.model, weights_url)
         loaded = backend.load(weights_url)
@@ -42,16 +45,17 @@ def main() -> None:
         b = Run(backend, "adamw", init_seed=99, dropout=0.0, noise=False)
         info = b.load(found)
         b.train(MORE)
+        weights = {"A": a.weights(), "B": b.weights()}  # a collective under fsdp: on every rank
         if backend.is_main():
             torch.save(
                 {
-                    "A": a.weights(),
-                    "B": b.weights(),
+                    **weights,
                     "loaded": loaded,
                     "saved": saved,
                     "found": str(found),
                     "step": info["counters"]["global_step"],
                     "world_size": backend.world_size,
+                    "pretrained": [str(f) for f in pretrained],
                 },
                 args.out / "result.pt",
             )

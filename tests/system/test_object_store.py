@@ -19,6 +19,7 @@ import parallelx
 from parallelx import ParallelxError, storage
 from parallelx.bigmodels.formats import INDEX
 from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
+from recipes.models import GPT, GPTConfig
 
 
 @pytest.fixture
@@ -40,13 +41,14 @@ def _steps(store, bucket: str, prefix: str = "run/checkpoints/") -> dict[str, li
 # The one launch of make test (about 30 s); the rest of this file is a scenario but for two checks without a store.
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
-def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path):
+@pytest.mark.parametrize("name", ["ddp", pytest.param("fsdp", marks=pytest.mark.scenario)])
+def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path, name):
     store, bucket = s3_env
     require_launcher("torchrun")
     url = f"s3://{bucket}/run"
     res = launch(
         "torchrun",
-        ["tests/support/store_worker.py", "--backend", "ddp", "--url", url, "--out", str(tmp_path)],
+        ["tests/support/store_worker.py", "--backend", name, "--url", url, "--out", str(tmp_path)],
         timeout=240,
         env=store.env(),
     )
@@ -57,6 +59,11 @@ def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path):
     assert r["found"] == f"{url}/checkpoints/step-00000003" == r["saved"][-1]
     assert all(torch.equal(r["A"][k], r["B"][k]) for k in r["A"]), "resumed from the store, the weights differ"
     assert all(torch.equal(r["A"][k], r["loaded"][k]) for k in r["A"]), "backend.load of the URL differs"
+    # save_pretrained into the store: shards from every rank's pieces, read back bit for bit.
+    assert len(r["pretrained"]) == 3 and all(f.startswith(f"{url}/hf/model-") for f in r["pretrained"])
+    shape = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(), torch.nn.Linear(16, 4))
+    parallelx.load_pretrained(shape, f"{url}/hf")
+    assert all(torch.equal(shape.state_dict()[k], v) for k, v in r["A"].items()), "save_pretrained to the URL"
     steps = _steps(store, bucket)
     # keep=2: the oldest complete one went; each one kept holds every rank's files and its commit record.
     assert sorted(steps) == ["step-00000002", "step-00000003"]
@@ -284,3 +291,24 @@ def test_convert_checkpoint_reads_and_writes_the_store(s3_env, backend, capsys):
     err = capsys.readouterr().err
     assert "already is the portable file" in err and f"{url}/checkpoints/step-" in err, err
     assert f"s3:/{bucket}" not in err, err  # the URL as written, never folded into a path
+
+
+def test_save_pretrained_into_the_store_loads_back_bit_for_bit(s3_env, backend):
+    """``save_pretrained(backend, model, "s3://...", max_shard_size=...)``: shards and their index in the
+    store, each uploaded whole; ``load_pretrained`` of the URL gives the weights bit for bit (a tied
+    tensor stored once); saving again as one file removes the old index."""
+    store, bucket = s3_env
+    url = f"s3://{bucket}/saved/gpt"
+    torch.manual_seed(0)
+    model, _ = backend.setup(GPT(GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_embd=16, n_head=2)))
+    files = parallelx.save_pretrained(backend, model, url, max_shard_size="4KB")
+    keys = sorted(k.rsplit("/", 1)[-1] for k in store.keys(bucket, "saved/gpt/"))
+    assert len(files) > 1 and keys == sorted([INDEX, *(str(f).rsplit("/", 1)[-1] for f in files)]), keys
+    torch.manual_seed(7)
+    again = GPT(GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_embd=16, n_head=2))
+    parallelx.load_pretrained(again, url)
+    want = backend.model_state_dict(model)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())
+    parallelx.save_pretrained(backend, model, url)
+    keys = sorted(k.rsplit("/", 1)[-1] for k in store.keys(bucket, "saved/gpt/"))
+    assert INDEX not in keys and "model.safetensors" in keys, keys
