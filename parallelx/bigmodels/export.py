@@ -31,6 +31,7 @@ from typing import IO, Any, Protocol
 import torch
 from torch import nn
 
+from parallelx import storage
 from parallelx.bigmodels.formats import INDEX
 from parallelx.errors import ParallelxError
 from parallelx.parts.stateio import plain_key
@@ -258,8 +259,6 @@ def upload_safetensors(
     file gathered (a collective per file, in the same order on every rank), rank 0 puts them at their
     offsets and uploads the file whole, as every write to a store is.  A rank holds at most one file
     (``max_shard_size``; :data:`STORE_SHARD_SIZE` if None), never the whole model of a big one."""
-    from parallelx import storage
-
     files = plan_files(layout.tensors, parse_size(max_shard_size if max_shard_size is not None else STORE_SHARD_SIZE))
     names = file_names(len(files))
     file_of = {t.name: i for i, group in enumerate(files) for t in group}
@@ -334,8 +333,6 @@ def save_pretrained(
     ``path`` may be a URL of an object store (``s3://bucket/model``): a store takes a file whole, so
     each file's pieces are gathered (on every rank, one file at a time) and rank 0 uploads it; the
     files are then at most ``max_shard_size``, 2GB when it is not given."""
-    from parallelx import storage
-
     if backend.mesh.tensor_parallel:  # the split layers put together (a collective), rank 0 writes
         layout = whole_state(_user_module(model), backend.model_state_dict(model), backend.rank)
     else:
