@@ -24,25 +24,25 @@ setup-core:
 train: setup-core
 	bash scripts/train_demo.sh
 
+## A launch that failed on one of two faults of the machine rather than of the code runs once more, and
+## the rerun is reported (an R in the progress line, "rerun" in the summary): a C++ thread torn down at
+## the interpreter's exit after the work was done ("terminate called without an active exception"), and
+## a rendezvous that timed out while another rank was still starting on a loaded machine.  Any other
+## failure, and the same fault twice, fails the run (docs/testing.md).  make test and the scenarios alike.
+RERUN_FAULTS := terminate called without an active exception|DistStoreError: wait timeout
+
 ## The quick tier: unit, multirank, the core launch of every backend under its real launcher and one
 ## launch of each other grid (docs/testing.md), system (failures, bad inputs, the CLI, the wheel), on
 ## two pytest-xdist workers (tests/conftest.py keeps files that share launches on one worker).
 ## 4 to 13 minutes from a fresh clone on 2 cores, set-up included (242 s idle at 0aef424; 383 s and 765 s measured before): no
 ## Horovod, whose launches are scenarios.
 test: setup-test
-	$(PY) -m pytest -n 2 --durations=30 -m "not scenario and not matrix" tests/unit tests/multirank tests/launcher tests/system
+	$(PY) -m pytest -n 2 --durations=30 --reruns 1 --only-rerun "$(RERUN_FAULTS)" -m "not scenario and not matrix" tests/unit tests/multirank tests/launcher tests/system
 
 ## The rest of make test's grids (every backend and launcher for each), and the whole scenarios,
 ## minutes each: kills, restarts and preemption, stalls, Horovod elastic, Slurm, Ray, two nodes in
 ## network namespaces, the check on client scripts, the benchmarks and the GPU check rehearsed.  The
 ## longest tier; CI runs it after make test.
-## A launch that failed on one of two faults of the machine rather than of the code runs once more, and
-## the rerun is reported (an R in the progress line, "rerun" in the summary): a C++ thread torn down at
-## the interpreter's exit after the work was done ("terminate called without an active exception"), and
-## a rendezvous that timed out while another rank was still starting on a loaded machine.  Any other
-## failure, and the same fault twice, fails the tier (docs/testing.md).
-RERUN_FAULTS := terminate called without an active exception|DistStoreError: wait timeout
-
 test-scenarios: setup
 	$(PY) -m pytest -n 2 --durations=20 --reruns 1 --only-rerun "$(RERUN_FAULTS)" -m scenario tests/launcher tests/system
 
