@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trainstate section of the case's one core launch (tests/support/core_runs.py), in which ddp
-    continues ZeRO-3's checkpoint and ZeRO-2 continues Horovod's (scattered into its shards)."""
+    continues ZeRO-3's checkpoint and ZeRO-2 continues ddp's (scattered into its shards)."""
     return core_run(name, tmp_path_factory)[0] / "trainstate"
 
 
@@ -100,16 +100,16 @@ def test_zero3_checkpoint_loads_into_ddp(optim, tmp_path_factory):
     assert _rel(cross["C"], zero3["B"]) <= REL_TOL, "ddp continues ZeRO-3's run (up to reduction order)"
 
 
-@pytest.mark.scenario  # ZeRO-2's and Horovod's core launches are scenarios
+@pytest.mark.scenario  # ZeRO-2's core launch is a scenario
 @pytest.mark.parametrize("optim", OPTIMIZERS)
-def test_horovod_checkpoint_loads_into_zero2(optim, tmp_path_factory):
+def test_ddp_checkpoint_loads_into_zero2(optim, tmp_path_factory):
     out = run_case("deepspeed-zero2", tmp_path_factory)
     cross = torch.load(out / f"cross-{optim}.pt", weights_only=True)
-    hvd = torch.load(run_case("horovod", tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
-    assert cross["info"]["meta"]["backend"] == "horovod"
+    ddp = torch.load(run_case("ddp", tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
+    assert cross["info"]["meta"]["backend"] == "ddp"
     assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
-    assert torch.equal(cross["rng_C"], hvd["rng_B"]), "the RNG continues as it did under Horovod"
-    assert _rel(cross["C"], hvd["B"]) <= REL_TOL, "ZeRO-2 continues Horovod's run (up to reduction order)"
+    assert torch.equal(cross["rng_C"], ddp["rng_B"]), "the RNG continues as it did under ddp"
+    assert _rel(cross["C"], ddp["B"]) <= REL_TOL, "ZeRO-2 continues ddp's run (up to reduction order)"
 
 
 @pytest.mark.parametrize("optim", OPTIMIZERS)

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 from launching import BACKEND_CASES, Result, in_make_test, launch, require_launcher
 
-#: The trainstate section continues another backend's checkpoint: ddp ZeRO-3's, ZeRO-2 Horovod's, fsdp
-#: ddp's, ZeRO-1 fsdp's (both directions across backends).  ZeRO-2 and Horovod are both scenarios: the
-#: one loads what the other's launch writes anyway (from ddp's, the scenarios ran ddp's launch again).
-LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "horovod", "fsdp": "ddp", "deepspeed-zero1": "fsdp"}
+#: The trainstate section continues another backend's checkpoint: ddp
+#: ZeRO-3's, ZeRO-2 ddp's, fsdp ddp's, ZeRO-1 fsdp's (both directions across backends).
+LOAD_FROM = {"ddp": "deepspeed-zero3", "deepspeed-zero2": "ddp", "fsdp": "ddp", "deepspeed-zero1": "fsdp"}
 _RUNS: dict[str, tuple[Path, Result]] = {}
 #: The cases whose core launch make test runs: torchrun's backends and DeepSpeed's launcher at the stage
 #: that partitions the optimizer state and at the one that partitions the parameters; ZeRO-0, ZeRO-2
