@@ -97,6 +97,11 @@ def join(loc: Location, *names: str) -> Location:
     return "/".join([loc, *names])
 
 
+def parent(loc: Location) -> Location:
+    """The folder holding ``loc``."""
+    return loc.parent if isinstance(loc, Path) else loc.rsplit("/", 1)[0]
+
+
 def name(loc: Location) -> str:
     """The last part of ``loc``."""
     return loc.name if isinstance(loc, Path) else loc.rsplit("/", 1)[-1]

@@ -253,6 +253,7 @@ def upload_safetensors(
     *,
     rank: int,
     all_gather_object: Callable[[Any], list[Any]],
+    barrier: Callable[[], None],
     max_shard_size: int | str | None = None,
 ) -> list[str]:
     """Write ``layout`` under the store folder ``url``, one file at a time: every rank's pieces of the
@@ -288,7 +289,7 @@ def upload_safetensors(
             storage.write_text(index, index_json(names, files))
         elif storage.exists(index):
             storage.remove(index)  # a previous save's index would point at shards no longer written
-    all_gather_object(None)  # every rank returns once the folder is complete
+    barrier()  # every rank returns once the folder is complete
     return [str(storage.join(url, n)) for n in names]
 
 
@@ -341,7 +342,12 @@ def save_pretrained(
     files: list[Path] | list[str]
     if isinstance(where, str):
         files = upload_safetensors(
-            layout, where, rank=backend.rank, all_gather_object=backend.all_gather_object, max_shard_size=max_shard_size
+            layout,
+            where,
+            rank=backend.rank,
+            all_gather_object=backend.all_gather_object,
+            barrier=backend.barrier,
+            max_shard_size=max_shard_size,
         )
     else:
         files = write_safetensors(

@@ -103,14 +103,14 @@ class WeightFile:
     def _open(self, path: Location) -> Any:
         handle = self._handles.get(path)
         if handle is None:
-            if storage.is_remote(path):
-                handle = _RemoteSafetensors(str(path)) if _is_safetensors(path) else _torch_file(str(path))
-            elif _is_safetensors(path):
+            if not _is_safetensors(path):
+                handle = _torch_state(path)
+            elif storage.is_remote(path):
+                handle = _RemoteSafetensors(str(path))
+            else:
                 from safetensors import safe_open
 
                 handle = safe_open(str(path), framework="pt")
-            else:
-                handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             self._handles[path] = handle
         return handle
 
@@ -119,15 +119,20 @@ def _is_safetensors(path: Location) -> bool:
     return storage.name(path).endswith(".safetensors")
 
 
+def _read_header(path: Location) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (8 bytes of its length, then JSON) and where its data starts: two
+    short reads, no tensor."""
+    length = int.from_bytes(storage.read_range(path, 0, 8), "little")
+    return json.loads(storage.read_range(path, 8, 8 + length)), 8 + length
+
+
 class _RemoteSafetensors:
     """A safetensors file in a store, read as ``safe_open`` reads a local one: the header once, then
     each slice asked for by one ranged read of its rows."""
 
     def __init__(self, loc: str) -> None:
         self.loc = loc
-        length = int.from_bytes(storage.read_range(loc, 0, 8), "little")
-        self.header = json.loads(storage.read_range(loc, 8, 8 + length))
-        self.data_start = 8 + length
+        self.header, self.data_start = _read_header(loc)
 
     def get_slice(self, name: str) -> _RemoteSlice:
         return _RemoteSlice(self, name)
@@ -155,9 +160,13 @@ class _RemoteSlice:
         return flat.reshape(stop - start, *self.shape[1:])
 
 
-def _torch_file(loc: str) -> Mapping[str, torch.Tensor]:
-    """A ``torch.save`` state dict in a store, read whole (it has no index to read a slice by)."""
-    state = storage.load(loc)
+def _torch_state(loc: Location) -> Mapping[str, torch.Tensor]:
+    """A ``torch.save`` state dict (a checkpoint's ``state_dict`` entry where it has one): memory-mapped
+    from a disk, read whole from a store (it has no index to read a slice by)."""
+    if storage.is_remote(loc):
+        state = storage.load(loc)
+    else:
+        state = torch.load(loc, map_location="cpu", mmap=True, weights_only=True)
     if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
         state = state["state_dict"]
     if not isinstance(state, Mapping):
@@ -172,10 +181,8 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _safetensors_header(path: Location) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    # The header alone (8 bytes of length, then JSON): no tensor is read to list them.
-    length = int.from_bytes(storage.read_range(path, 0, 8), "little")
-    header = json.loads(storage.read_range(path, 8, 8 + length))
+def _listed(header: Mapping[str, Any], path: Location) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor's shape and dtype from a safetensors header."""
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -212,23 +219,20 @@ def open_weights(path: str | os.PathLike[str]) -> WeightFile:
     else:
         raise ParallelxError(f"{storage.show(loc)}: no such file or folder of weights")
     entries: dict[str, tuple[Location, tuple[int, ...], torch.dtype]] = {}
+    # What was opened to list the tensors is kept for reading them: a store's file is not fetched twice.
+    handles: dict[Location, Any] = {}
     for f in files:
-        if _is_safetensors(f):
-            found = _safetensors_header(f)
-        elif storage.is_remote(f):
-            found = {
-                k: (tuple(v.shape), v.dtype) for k, v in _torch_file(str(f)).items() if isinstance(v, torch.Tensor)
-            }
-        else:
-            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
-                state = state["state_dict"]
-            if not isinstance(state, Mapping):
-                raise ParallelxError(f"{f}: not a state dict (a mapping of names to tensors)")
+        if not _is_safetensors(f):
+            handles[f] = state = _torch_state(f)
             found = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        elif storage.is_remote(f):
+            handles[f] = remote = _RemoteSafetensors(str(f))
+            found = _listed(remote.header, f)
+        else:
+            found = _listed(_read_header(f)[0], f)
         for name, (shape, dtype) in found.items():
             entries[name] = (f, shape, dtype)
-    return WeightFile(entries)
+    return WeightFile(entries, _handles=handles)
 
 
 @dataclasses.dataclass

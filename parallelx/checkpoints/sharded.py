@@ -31,7 +31,6 @@ import torch
 
 from parallelx import storage
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, write_safetensors
-from parallelx.bigmodels.formats import INDEX
 from parallelx.errors import ParallelxError
 from parallelx.parts import portable as checkpoint
 from parallelx.parts.stateio import StateIO, plain_key
@@ -102,7 +101,7 @@ def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
     whole model and optimizer in it, readable by ``torch.load(dst,
     weights_only=True)``.  One process, no launcher."""
     state = checkpoint.load(state_file)
-    folder = _folder(state_file)
+    folder = storage.parent(storage.location(state_file))
     if not isinstance(state, dict) or not state.get("meta", {}).get("sharded"):
         raise ParallelxError(
             f"{storage.show(folder)} is not a sharded checkpoint: its {storage.name(storage.location(state_file))} "
@@ -122,12 +121,6 @@ def _copy_into(source: Path, out: IO[bytes]) -> None:
         shutil.copyfileobj(f, out, 1 << 24)
 
 
-def _folder(state_file: str | os.PathLike[str]) -> Location:
-    """The checkpoint directory holding ``state_file`` (a path or a URL)."""
-    loc = storage.location(state_file)
-    return loc.parent if isinstance(loc, Path) else loc.rsplit("/", 1)[0]
-
-
 def convert_to_safetensors(
     state_file: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_size: int | str | None = None
 ) -> list[Location]:
@@ -141,15 +134,9 @@ def convert_to_safetensors(
     if storage.is_remote(target):
         with tempfile.TemporaryDirectory(prefix="parallelx-convert-") as staging:
             written = convert_to_safetensors(state_file, staging, max_shard_size=max_shard_size)
-            out: list[Location] = []
-            for f in written:
-                assert isinstance(f, Path)
-                there = storage.join(target, f.name)
-                storage.write(there, functools.partial(_copy_into, f))
-                out.append(there)
-            if (Path(staging) / INDEX).is_file():
-                storage.write_text(storage.join(target, INDEX), (Path(staging) / INDEX).read_text())
-            return out
+            for f in sorted(Path(staging).iterdir()):  # the weight files, then the index where there is one
+                storage.write(storage.join(target, f.name), functools.partial(_copy_into, f))
+            return [storage.join(target, storage.name(f)) for f in written]
     state = checkpoint.load(state_file)
     if not isinstance(state, dict) or "model" not in state:
         raise ParallelxError(f"{storage.show(state_file)} is not a training-state checkpoint (no model in it)")
@@ -162,7 +149,7 @@ def convert_to_safetensors(
                 Layout(tensors, whole_pieces), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
             )
         )
-    path = _folder(state_file)
+    path = storage.parent(storage.location(state_file))
     assert isinstance(path, Path)  # DCP shards are only ever written to a local disk
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -102,8 +102,8 @@ def ported(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The folder of the port's run of ``case``: DeepSpeed's stages share one launch, the others launch alone."""
     launcher, args, stage = PORTS[case]
     if launcher == "deepspeed":
-        extra = [a for i, a in enumerate(args) if a != "--stage" and (i == 0 or args[i - 1] != "--stage")]
-        return stages_run(PORT, "--moe" in args, extra, tmp_path_factory) / f"zero{stage}"
+        at = args.index("--stage")  # the launch runs every stage
+        return stages_run(PORT, "--moe" in args, args[:at] + args[at + 2 :], tmp_path_factory) / f"zero{stage}"
     require_launcher(launcher)
     res = launch(launcher, [PORT, *args, "--out", str(tmp_path)], timeout=TIMEOUT)
     assert res.returncode == 0, res.tail()
