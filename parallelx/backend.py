@@ -446,16 +446,21 @@ class Backend:
                 "needs, after wrapping (mode default; --compile-mode chooses another)"
             )
             run.compile_options = CompileOptions(enabled=True)
-        if has_meta(model):  # built under parallelx.init_module(): each tensor computed where this backend keeps it
+        meta = has_meta(model)
+        if meta:  # built under parallelx.init_module(): each tensor computed where this backend keeps it
             # A plain torch.device("meta") build draws its reset_parameters' random numbers now, outside
             # keep_rng_state: the generator moves as the eager build moved it.
             prepare_meta(model, self.name)
+        if self.tensor_parallel is not None and meta:  # cut first: each rank then computes only its slices
+            with keep_rng_state():
+                self.tensor_parallel.apply(model, self.device, self.name)
+        if meta:
             with keep_rng_state():
                 self.strategy.materialize(model)
         known = list(model.parameters())
         for observer in self._observers:  # the initial weights, before any broadcast
             observer.before_wrap(model)
-        if self.tensor_parallel is not None:  # the split layers first: the engine wraps what they became
+        if self.tensor_parallel is not None and not meta:  # the split layers first: the engine wraps what they became
             with keep_rng_state():
                 self.tensor_parallel.apply(model, self.device, self.name)
         checkpointing = run.activation_checkpointing

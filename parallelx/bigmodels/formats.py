@@ -83,17 +83,31 @@ class WeightFile:
     def total_bytes(self) -> int:
         return sum(_numel(s) * d.itemsize for _, s, d in self.entries.values())
 
-    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``name`` (all of it by default), in memory of their own."""
+    def rows(
+        self, name: str, start: int | None = None, stop: int | None = None, columns: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (all of it by default), in memory of their own; with
+        ``columns``, only those columns (dim 1) of the rows: a local file reads just them, a store
+        the rows' whole ranges (one ranged read), of which the columns are kept."""
         path, shape, _ = self.entries[name]
         handle = self._open(path)
+        if columns is not None and len(shape) < 2:
+            raise ValueError(f"{name} has no columns to take (shape {shape})")
+        cols = slice(*columns) if columns is not None else slice(None)
         if _is_safetensors(path):
             piece = handle.get_slice(name)
-            value = piece[start:stop] if shape else piece[:]
+            if not shape:
+                value = piece[:]
+            elif isinstance(piece, _RemoteSlice):
+                value = piece[start:stop]
+                self.bytes_read += value.numel() * value.element_size()
+                return value[:, cols].contiguous() if columns is not None else value
+            else:
+                value = piece[start:stop, cols] if columns is not None else piece[start:stop]
             value = value.clone() if not value.is_contiguous() else value
         else:  # a memory-mapped torch.save file: only the pages of the rows are touched
             whole = handle[name]
-            value = (whole[start:stop] if shape else whole).clone()
+            value = (whole[start:stop, cols] if columns is not None else whole[start:stop] if shape else whole).clone()
         self.bytes_read += value.numel() * value.element_size()
         return value
 

@@ -44,7 +44,17 @@ from parallelx import log
 from parallelx.bigmodels.resets import constructor_runs, reset_name
 from parallelx.errors import ParallelxError
 
-__all__ = ["Recording", "has_meta", "init_module", "init_weights", "materialize", "meta_tensors", "recording_of"]
+__all__ = [
+    "Cut",
+    "Recording",
+    "cut",
+    "has_meta",
+    "init_module",
+    "init_weights",
+    "materialize",
+    "meta_tensors",
+    "recording_of",
+]
 
 
 #: Calls that draw from a random generator (torch's functions, tensor methods and ``nn.init``'s).
@@ -355,7 +365,7 @@ def init_module() -> Iterator[Recording]:
     ]
     _live.append(recording)
     try:
-        with torch.device("meta"), _recording(recording):
+        with torch.device("meta"), _recording(recording), _libraries_initialise():
             yield recording
     finally:
         _live.remove(recording)
@@ -375,6 +385,31 @@ def _recording(recording: Recording) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(nn.init, name, original)
+
+
+@contextlib.contextmanager
+def _libraries_initialise() -> Iterator[None]:
+    """Libraries that skip their weight initialisation when they see the meta device run it here,
+    as the eager build does: ``transformers`` asks ``torch.tensor([]).device`` and, finding meta,
+    leaves every ``_init_weights`` out (its models would get ``nn.Linear``'s defaults instead of their
+    own, and the random generator would end elsewhere).  The recording makes their draws cost nothing."""
+    import sys
+
+    utils = sys.modules.get("transformers.modeling_utils")
+    probe = getattr(utils, "get_torch_context_manager_or_global_device", None)
+    if probe is None:
+        yield
+        return
+
+    def not_meta() -> Any:
+        found = probe()
+        return None if found is not None and torch.device(found).type == "meta" else found
+
+    utils.get_torch_context_manager_or_global_device = not_meta  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        utils.get_torch_context_manager_or_global_device = probe  # type: ignore[union-attr]
 
 
 #: ``nn.init`` functions that return at once for a meta tensor, before any torch function a mode sees:
@@ -452,16 +487,102 @@ class Source(Protocol):
     def holds(self, slot: Slot) -> bool:
         """Whether this source has the slot's value."""
 
-    def rows(self, slot: Slot, start: int | None, stop: int | None) -> torch.Tensor:
-        """Rows ``start:stop`` (dim 0) of the slot's value as stored."""
+    def rows(
+        self, slot: Slot, start: int | None, stop: int | None, columns: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of the slot's value as stored (only ``columns`` of them, if given)."""
 
 
 #: The attribute of a model given a weight file before set-up (:func:`parallelx.load_pretrained`).
 SOURCE = "_parallelx_weights"
 
 
+class _Sources:
+    """The weight files given to a model's modules (``load_pretrained`` on the model, or on a module
+    of it such as a wrapper's inner model), as one source: a tensor from the first that holds it."""
+
+    def __init__(self, sources: list[Source]) -> None:
+        self.sources = sources
+
+    def holds(self, slot: Slot) -> bool:
+        return any(s.holds(slot) for s in self.sources)
+
+    def rows(
+        self, slot: Slot, start: int | None, stop: int | None, columns: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        return next(s for s in self.sources if s.holds(slot)).rows(slot, start, stop, columns)
+
+
+def source_of(model: nn.Module) -> Source | None:
+    """Where ``model``'s meta tensors' values come from besides their recordings: the weight files
+    given to it or to any module inside it (:func:`parallelx.load_pretrained`)."""
+    found = [m.__dict__[SOURCE] for m in model.modules() if SOURCE in m.__dict__]
+    return None if not found else found[0] if len(found) == 1 else _Sources(found)
+
+
 #: The attribute of a model given an init function by :func:`init_weights`.
 INIT = "_parallelx_init"
+
+#: The attribute of a meta model whose tensors were cut to one rank's slices before they had values
+#: (tensor parallelism, :func:`cut`): id of the tensor -> :class:`Cut`.
+CUTS = "_parallelx_cuts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A meta tensor that holds one rank's slice of a whole one: along ``dim``, in ``parts`` fused
+    parts, each cut in ``size`` equal chunks of which this rank keeps chunk ``rank``.  ``whole`` is
+    the meta tensor as built (what its recording and a weight file know)."""
+
+    whole: torch.Tensor
+    dim: int
+    parts: int
+    rank: int
+    size: int
+
+    def ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The whole tensor's index ranges along ``dim`` that hold the slice's ``start:stop``."""
+        part = self.whole.shape[self.dim] // self.parts
+        chunk = part // self.size
+        out = []
+        for k in range(self.parts):  # the slice is the parts' chunks one after another
+            lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+            if lo < hi:
+                base = k * part + self.rank * chunk - k * chunk
+                out.append((base + lo, base + hi))
+        return out
+
+    def read(
+        self,
+        whole_rows: Callable[[int, int, tuple[int, int] | None], torch.Tensor],
+        start: int | None,
+        stop: int | None,
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` of the slice, from ``whole_rows(first, last, columns)`` of the whole."""
+        local = list(self.whole.shape)
+        local[self.dim] //= self.size
+        start, stop, _ = slice(start, stop).indices(local[0])
+        if self.dim == 0:
+            pieces = [whole_rows(a, b, None) for a, b in self.ranges(start, stop)]
+            return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+        assert self.dim == 1, "tensors are cut along their rows or their columns"
+        pieces = [whole_rows(start, stop, cols) for cols in self.ranges(0, local[1])]
+        return torch.cat(pieces, dim=1) if len(pieces) != 1 else pieces[0]
+
+
+def cut(model: nn.Module, tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+    """Cut ``model``'s meta ``tensor`` (a parameter: it stays the same object) to rank ``rank``'s slice
+    (:class:`Cut`) before it has a value: its value is computed, or read from a weight file, for that
+    slice only when the backend materialises the model."""
+    assert tensor.is_meta
+    whole = tensor.detach()
+    spec = Cut(whole, dim, parts, rank, size)
+    local = list(whole.shape)
+    local[dim] //= size
+    tensor.data = torch.empty(local, dtype=whole.dtype, device="meta")
+    model.__dict__.setdefault(CUTS, {})[id(tensor)] = spec
+    return tensor
+
 
 #: In-place calls that give a whole tensor its value whatever it held before: the first write to a
 #: tensor of a plain ``torch.device("meta")`` build must be one of them (anything else would read
@@ -685,7 +806,7 @@ def prepare(model: nn.Module, who: str) -> None:
     the generator here, as the eager build's moved it there.  Does nothing for other models."""
     if any(recording_of(m) is not None for m in model.modules()):
         return  # built under init_module (or prepared already): its recording gives the values
-    source = model.__dict__.get(SOURCE)
+    source = source_of(model)
     plain = [s for s in meta_tensors(model) if not (source is not None and source.holds(s))]
     if not plain:
         return
@@ -716,17 +837,20 @@ class Values:
     def __init__(self, model: nn.Module, who: str) -> None:
         self.slots = meta_tensors(model)
         self.by_name = {n: s for s in self.slots for n in s.names}
-        source = model.__dict__.get(SOURCE)
+        source = source_of(model)
         self.source: Source | None = source
         prepare(model, who)
         self.recordings: dict[int, Recording] = {}
         self.from_file: set[int] = set()
+        cuts: dict[int, Cut] = model.__dict__.get(CUTS, {})
+        self.cuts = {id(s): cuts[id(s.tensor)] for s in self.slots if id(s.tensor) in cuts}
         orphans = []
         for slot in self.slots:
             if source is not None and source.holds(slot):
                 self.from_file.add(id(slot))
                 continue
-            rec = next((r for m, _ in slot.owners if (r := recording_of(m)) is not None and r.knows(slot.tensor)), None)
+            built = self.cuts[id(slot)].whole if id(slot) in self.cuts else slot.tensor  # what the recording saw
+            rec = next((r for m, _ in slot.owners if (r := recording_of(m)) is not None and r.knows(built)), None)
             if rec is None:
                 orphans.append(slot.names[0])
             else:
@@ -746,9 +870,16 @@ class Values:
     def rows(self, slot: Slot, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0) of the slot's value, in its dtype; a file reads only those."""
         assert slot.meta is not None
+        spec = self.cuts.get(id(slot))
         if id(slot) in self.from_file:
-            assert self.source is not None
-            return self.source.rows(slot, start, stop).to(slot.meta.dtype)
+            source = self.source
+            assert source is not None
+            if spec is not None:  # one rank's slice: a file reads only its rows, or its rows' columns
+                return spec.read(lambda a, b, cols: source.rows(slot, a, b, cols), start, stop).to(slot.meta.dtype)
+            return source.rows(slot, start, stop).to(slot.meta.dtype)
+        if spec is not None:
+            whole = self.recordings[id(slot)].values([spec.whole])[0]
+            return spec.read(lambda a, b, cols: whole[a:b, slice(*cols)] if cols else whole[a:b], start, stop).clone()
         whole = self.recordings[id(slot)].values([slot.meta])[0]
         return whole if start is None and stop is None else whole[start:stop]
 
@@ -772,6 +903,7 @@ def put(slot: Slot, value: torch.Tensor) -> torch.Tensor:
     if slot.is_param:
         param = slot.tensor
         new = nn.Parameter(value, requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)  # marks set on the meta parameter (a split layer's) stay with it
         try:
             torch.utils.swap_tensors(param, new)
         except RuntimeError:  # weakly referenced: the owners get the new parameter instead
@@ -800,5 +932,6 @@ def forget(model: nn.Module) -> None:
     all have their values)."""
     for module in model.modules():
         module.__dict__.pop(ATTRIBUTE, None)
-    model.__dict__.pop(SOURCE, None)
+        module.__dict__.pop(SOURCE, None)
     model.__dict__.pop(INIT, None)
+    model.__dict__.pop(CUTS, None)

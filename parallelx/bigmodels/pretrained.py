@@ -39,8 +39,10 @@ class FileSource:
     def holds(self, slot: Slot) -> bool:
         return id(slot.tensor) in self.names
 
-    def rows(self, slot: Slot, start: int | None, stop: int | None) -> torch.Tensor:
-        return self.file.rows(self.names[id(slot.tensor)], start, stop)
+    def rows(
+        self, slot: Slot, start: int | None, stop: int | None, columns: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        return self.file.rows(self.names[id(slot.tensor)], start, stop, columns)
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str] | WeightFile, *, strict: bool = True) -> WeightFile:

@@ -3,7 +3,8 @@
 :meth:`TensorParallel.apply` runs in ``backend.wrap_model`` before the engine
 wraps the model (DDP over the data-parallel group, FSDP2 over its mesh): every
 rank takes rank 0's whole weights (as DDP does at construction), then keeps its
-slice of each split layer, in place (the parameters stay the same objects, so
+slice of each split layer, in place; a model still on the meta device has its split tensors cut as
+shapes, and the backend then computes (or reads from a weight file) only each rank's slices (the parameters stay the same objects, so
 an optimizer built before set-up still holds them).  A split ``nn.Linear``
 becomes a :class:`ColwiseLinear` or :class:`RowwiseLinear` (the same module with
 the forward that talks to its group, :mod:`parallelx.tensor_parallel.comm`).
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallelx import log
+from parallelx.bigmodels.meta import cut as cut_meta
+from parallelx.bigmodels.meta import has_meta
 from parallelx.errors import ParallelxError
 from parallelx.parts.mesh import Mesh
 from parallelx.tensor_parallel import comm
@@ -146,27 +149,31 @@ class TensorParallel:
     # ------------------------------------------------------------ applying
     def apply(self, model: nn.Module, device: torch.device, who: str) -> Plan:
         """Split ``model``'s layers in place by its plan (found and checked first: a refusal changes nothing)."""
-        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-            raise ParallelxError(
-                f"{who}: --tensor-parallel needs the model's weights: build it on the CPU (not under "
-                "parallelx.init_module() or the meta device) when splitting its layers"
-            )
         plan = find_plan(model, self.size, self.given_plan)
         if self.sequence_parallel:
             self._check_sequence_parallel(model, plan, who)
         modules = dict(model.named_modules())
-        model.to(device)
-        with torch.no_grad():  # rank 0's whole weights everywhere, then each rank keeps its slices
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+        # A model on the meta device (parallelx.init_module(), or given a weight file by load_pretrained)
+        # has no values yet: its split tensors are cut as shapes, and the backend's materialisation then
+        # computes, or reads from the file, only this rank's slices (meta.Cut).
+        meta = has_meta(model)
+        if not meta:
+            model.to(device)
+            with torch.no_grad():  # rank 0's whole weights everywhere, then each rank keeps its slices
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t.data, src=0)
         layouts: dict[str, Layout] = {}
         rank, size = self.mesh.tp_rank, self.size
-        cut: set[int] = set()  # a tied weight (the embedding and the head) is one tensor: cut once
+        done: set[int] = set()  # a tied weight (the embedding and the head) is one tensor: cut once
 
         def keep_slice(p: torch.Tensor, dim: int, parts: int) -> None:
-            if id(p) not in cut:
+            if id(p) in done:
+                return
+            if p.is_meta:
+                cut_meta(model, p, dim, parts, rank, size)
+            else:
                 p.data = local_slice(p.data, dim, parts, rank, size).clone()
-                cut.add(id(p))
+            done.add(id(p))
 
         for name, split in plan.splits.items():
             layer = modules[name]

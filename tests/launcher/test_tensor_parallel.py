@@ -17,7 +17,10 @@ The checkpoints move: each launch resumes the one before it (another degree, ano
 continues one more window, which equals its own uninterrupted run within the floor.  And the rest
 of a script: a weight average (``parallelx.EMA``) whose checkpoint holds whole tensors,
 ``save_pretrained`` read back by ``transformers``, ``make_sampler`` / ``gather_in_order`` /
-``MetricSums`` by the data-parallel rank, activation checkpointing (one launch).
+``MetricSums`` by the data-parallel rank, activation checkpointing (one launch).  Models built on the
+meta device (``parallelx.init_module()``) equal their eager builds, each rank computing only its
+slices, and a Hugging Face folder is read straight into the split layers: each rank reads the bytes
+it keeps and no more.
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ def test_each_model_matches_one_process_and_its_checkpoint_moves(name, runs, tmp
         rest = [r["everything_else"] for r in reports]
         assert all(e["ema_whole"] for e in rest), "the weight average's checkpoint holds slices"
         assert rest[0]["pretrained_logits"] < 1e-5, rest[0]  # transformers reads save_pretrained's folder
+        for e in rest:  # the folder read into a meta-built model's slices: only what each rank keeps
+            into = e["pretrained_into_slices"]
+            assert into["equal_logits"], into
+            assert into["bytes_read"] == into["bytes_held"] < into["file_bytes"], into
+            assert all(not differ for differ in e["meta_equal_eager"].values()), e["meta_equal_eager"]
         for rank, e in enumerate(rest):  # a group's ranks read the same shard; the shards cover the data once
             assert e["sampler"] == rest[(rank // tp) * tp]["sampler"]
             assert e["gathered_in_order"] and e["metric_count"] == 11, e

@@ -167,6 +167,31 @@ def everything_else(backend: parallelx.Backend, out: Path) -> dict[str, Any]:
         with torch.no_grad():
             theirs = LlamaForCausalLM.from_pretrained(folder).eval()(input_ids=x).logits
         seen["pretrained_logits"] = float((theirs - ours).abs().max() / ours.abs().max())
+    # The same folder read straight into the split layers of a model built on the meta device: each rank
+    # reads only the slices it keeps (the rows, or a row-wise layer's columns), the logits are the same.
+    with parallelx.init_module():
+        built = LlamaLM()
+    weights = parallelx.load_pretrained(built.inner, folder)
+    built = backend.wrap_model(built)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.dtype.itemsize for p in built.parameters())
+    with torch.no_grad():
+        seen["pretrained_into_slices"] = {
+            "equal_logits": torch.equal(built(x), ours),
+            "bytes_read": weights.bytes_read,
+            "bytes_held": held,
+            "file_bytes": weights.total_bytes(),
+        }
+    # Every model built on the meta device equals its eager build, each rank computing only its slices.
+    seen["meta_equal_eager"] = {}
+    for name, build in MODELS.items():
+        torch.manual_seed(0)
+        eager = backend.wrap_model(build())
+        torch.manual_seed(0)
+        with parallelx.init_module():
+            lazy = build()
+        lazy = backend.wrap_model(lazy)
+        a, b = backend.model_state_dict(eager), backend.model_state_dict(lazy)
+        seen["meta_equal_eager"][name] = [k for k in a if not torch.equal(a[k], b[k])]
     dataset = torch.utils.data.TensorDataset(torch.arange(11.0))
     sampler = backend.make_sampler(dataset, shuffle=True, seed=3)
     order = list(sampler)  # one pass (each pass shuffles anew)

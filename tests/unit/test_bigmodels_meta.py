@@ -422,3 +422,71 @@ def test_the_draws_of_a_meta_build_share_one_buffer():
     storages = {t.untyped_storage().data_ptr() for t in drawn}
     # A weight and a bias a layer, then the embedding: the buffer grown once, for the embedding.
     assert len(drawn) == 17 and len(storages) == 2, (len(drawn), len(storages))
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_a_transformers_model_gets_its_own_initialisation_under_init_module():
+    # transformers leaves its _init_weights out when it sees the meta device: without parallelx running
+    # it, every Linear kept nn.Linear's default (std 0.10 here against the config's 0.02), silently.
+    eager, after_eager = build(tiny_llama, meta=False)
+    meta, after_meta = build(tiny_llama, meta=True)
+    assert torch.equal(after_eager, after_meta)
+    materialize(meta)
+    se, sm = eager.state_dict(), meta.state_dict()
+    assert [k for k in se if not torch.equal(se[k], sm[k])] == []
+
+
+def test_weights_given_to_an_inner_module_are_the_ones_set_up(tmp_path):
+    # load_pretrained on a wrapper's inner model, the wrapper set up: the file's values, not the build's.
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny_llama()
+
+    source = tiny_llama()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")
+    with parallelx.init_module():
+        model = Wrapper()
+    parallelx.load_pretrained(model.inner, tmp_path / "weights.pt")
+    materialize(model)
+    ss, sm = source.state_dict(), model.inner.state_dict()
+    assert [k for k in ss if not torch.equal(ss[k], sm[k])] == []
+
+
+@pytest.mark.parametrize("dim, parts", [(0, 1), (0, 3), (1, 1), (1, 2)])
+def test_a_cut_meta_tensor_reads_only_its_slice_of_the_whole(tmp_path, dim, parts):
+    # Tensor parallelism cuts a meta tensor to one rank's slice before it has values; its value is then
+    # read, rows or columns, from the whole as each backend asks (fsdp: a few rows of the slice).
+    from safetensors.torch import save_file
+
+    from parallelx.bigmodels.meta import cut
+    from parallelx.tensor_parallel.part import local_slice
+
+    whole = torch.arange(12 * 12, dtype=torch.float32).reshape(12, 12)
+    save_file({"layer.weight": whole}, tmp_path / "w.safetensors")
+    for rank in range(2):
+        with parallelx.init_module():
+            model = nn.Sequential()
+            model.add_module("layer", nn.Linear(12, 12, bias=False))
+        weights = parallelx.load_pretrained(model, tmp_path / "w.safetensors")
+        cut(model, model.layer.weight, dim, parts, rank, 2)
+        values = Values(model, "test")
+        slot = values.slot("layer.weight")
+        expected = local_slice(whole, dim, parts, rank, 2)
+        assert tuple(model.layer.weight.shape) == tuple(expected.shape)
+        assert torch.equal(values.rows(slot), expected)
+        rows = expected.shape[0]
+        assert torch.equal(values.rows(slot, 1, rows - 1), expected[1 : rows - 1])
+        assert weights.bytes_read == (expected.numel() + expected[1 : rows - 1].numel()) * 4  # its slice, no more
