@@ -442,7 +442,7 @@ class FSDPStrategy(ProcessGroupStrategy):
                 self.lockstep = ForwardLockstep("fsdp", self.run.world.rank, self.run.timeout_s)
             lockstep = self.lockstep
             # Before FSDP2's own pre-forward (its gathers): a rank-0-only forward is one clear error, not a hang.
-            model.register_forward_pre_hook(lambda m, args: lockstep.check(m.training), prepend=True)
+            lockstep.guard(model)
         self.sharded.append(sharded)
         return model
 

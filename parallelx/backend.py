@@ -473,6 +473,7 @@ class Backend:
         module = unwrap(wrapped)
         if self.tensor_parallel is not None:
             self.tensor_parallel.track(module)  # the engine's parameter objects (FSDP2 makes new ones)
+            self.tensor_parallel.guard(module, self.run.timeout_s)  # after the engine's own check, if it has one
         self._known_params = {i: ref for i, ref in self._known_params.items() if ref() is not None}
         self._known_params.update((id(p), weakref.ref(p)) for p in [*known, *module.parameters()])
         run.add_model(module)

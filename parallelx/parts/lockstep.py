@@ -1,7 +1,8 @@
 """Forwards that are collectives: every rank must run the same ones.
 
 Under ``fsdp`` and DeepSpeed's ZeRO-3 a forward gathers the parameters from
-every rank.  A script that evaluates or generates text on rank 0 alone
+every rank; under tensor parallelism the split layers sum their pieces over
+the tensor-parallel group.  A script that evaluates or generates text on rank 0 alone
 (``if rank == 0: evaluate(model)``) then pairs rank 0's gathers with whatever
 rank 1 does next: the job hangs until the timeout (30 minutes by default), or
 a later collective fails with an unrelated error.
@@ -31,6 +32,9 @@ from parallelx.forensics import record
 #: (docs/benchmarks.md measures it); a rank-0-only forward then hangs until the timeout instead.
 ENABLED = os.environ.get("PARALLELX_FORWARD_LOCKSTEP", "1") != "0"
 
+#: The mark of a model whose forwards are checked (:meth:`ForwardLockstep.guard`).
+_GUARDED = "_parallelx_lockstep"
+
 #: How each mode is told apart in the exchange.
 _MODES = {(True, True): 1, (True, False): 2, (False, True): 3, (False, False): 4}
 _NAMES = {
@@ -55,10 +59,14 @@ def side_group(timeout_s: float) -> dist.ProcessGroup | None:
     return group
 
 
-def fix(who: str) -> str:
+#: Why a sharded model's forward is a collective (the message's default).
+GATHERS = "it gathers the parameters from every rank"
+
+
+def fix(who: str, why: str = GATHERS) -> str:
     """How to do rank-0-only work with a sharded model."""
     return (
-        f"under {who} every forward is a collective (it gathers the parameters from every rank), so every rank "
+        f"under {who} every forward is a collective ({why}), so every rank "
         "must run the same forwards: evaluate on every rank, each on its shard of the data (MetricSums gives "
         "the exact figure), or, for work on rank 0 alone (generating text, a plot), take the whole weights "
         "first: `state = backend.model_state_dict(model)` on every rank, then on rank 0 load them into a plain "
@@ -69,16 +77,35 @@ def fix(who: str) -> str:
 class ForwardLockstep:
     """Checks, before each forward of a sharded model, that every rank runs the same one.
 
-    Every rank must create it at the same point (it makes a process group)."""
+    Every rank must create it at the same point (it makes a process group).  ``groups`` (lists of
+    ranks that cover the world) checks within each group only: the ranks whose forwards talk to each
+    other (a tensor-parallel group's), leaving other groups free to run other forwards."""
 
-    def __init__(self, who: str, rank: int, timeout_s: float) -> None:
+    def __init__(
+        self, who: str, rank: int, timeout_s: float, *, groups: list[list[int]] | None = None, why: str = GATHERS
+    ) -> None:
         self.who = who
         self.rank = rank
+        self.why = why
         # Gloo on the CPU whatever the model's device: a few integers, apart from the model's own collectives.
-        group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
-        assert isinstance(group, dist.ProcessGroup)  # every rank is in it
-        self.group = group
+        timeout = _dt.timedelta(seconds=timeout_s)
+        mine: dist.ProcessGroup | None = None
+        for ranks in groups or [list(range(dist.get_world_size()))]:
+            group = dist.new_group(ranks=ranks if groups else None, backend="gloo", timeout=timeout)
+            if rank in ranks:  # every rank makes every group (torch requires it) and keeps its own
+                assert isinstance(group, dist.ProcessGroup)
+                mine = group
+        assert mine is not None
+        self.group = mine
         self.count = 0
+
+    def guard(self, model: torch.nn.Module) -> None:
+        """Check every forward of ``model``, before anything else runs in it; once per model, whichever
+        part asks first (a split model that an engine then shards is checked once)."""
+        if model.__dict__.get(_GUARDED):
+            return
+        model.__dict__[_GUARDED] = True
+        model.register_forward_pre_hook(lambda m, args: self.check(m.training), prepend=True)
 
     def check(self, training: bool) -> None:
         """Raise on every rank when the ranks are about to run different forwards."""
@@ -106,4 +133,4 @@ class ForwardLockstep:
                 f"the ranks are at different forwards of the model (rank {self.rank} at number {self.count}, "
                 f"the others between {low_count} and {high_count}): some rank ran forwards the others did not"
             )
-        raise ParallelxError(f"{self.who}: {detail}; " + fix(self.who))
+        raise ParallelxError(f"{self.who}: {detail}; " + fix(self.who, self.why))

@@ -33,6 +33,7 @@ from parallelx import log
 from parallelx.bigmodels.meta import cut as cut_meta
 from parallelx.bigmodels.meta import has_meta
 from parallelx.errors import ParallelxError
+from parallelx.parts.lockstep import ForwardLockstep
 from parallelx.parts.mesh import Mesh
 from parallelx.tensor_parallel import comm
 from parallelx.tensor_parallel.plan import Plan, find_plan
@@ -137,6 +138,7 @@ class TensorParallel:
         self._partial: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
         self._partial_ids: set[int] = set()
         self._checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.lockstep: ForwardLockstep | None = None
 
     @property
     def size(self) -> int:
@@ -221,6 +223,24 @@ class TensorParallel:
                 f"parallelx: {who}: {plan.describe(size)}{', sequence parallel' if self.sequence_parallel else ''}"
             )
         return plan
+
+    def guard(self, model: nn.Module, timeout_s: float) -> None:
+        """Every forward of a split model is a collective of its tensor-parallel group: before each, the
+        group's ranks agree that they run the same one (:class:`ForwardLockstep`, one all-reduce of 4
+        integers on a Gloo group of its own), so a forward on one rank alone (``if rank == 0:
+        evaluate(model)``) is one clear error naming the forward, not a hang inside a split layer.  Other
+        groups may run other forwards (a data-parallel rank evaluating alone).  A model an engine already
+        checks over every rank (fsdp) is left to that check."""
+        if self.lockstep is None:  # every rank wraps its models at the same point: the groups are made once
+            n, world = self.size, dist.get_world_size()
+            self.lockstep = ForwardLockstep(
+                "tensor parallelism",
+                dist.get_rank(),
+                timeout_s,
+                groups=[list(range(d * n, d * n + n)) for d in range(world // n)],
+                why="its split layers sum their pieces over the tensor-parallel ranks",
+            )
+        self.lockstep.guard(model)
 
     def track(self, model: nn.Module) -> None:
         """Remember ``model``'s split parameters as the objects it holds now (an engine may have replaced them)."""

@@ -1,7 +1,7 @@
 """When ranks part ways, every rank prints one verdict naming the rank, the call and the script's
 line, and the job ends within the timeout plus start-up (``tests/support/hangs_worker.py``;
 docs/hangs.md).  All seven ways under ddp; the ones each engine adds something to under fsdp,
-DeepSpeed and Horovod (the rest are marked matrix: ``make test-matrix``)."""
+DeepSpeed, Horovod and tensor parallelism (a forward on rank 0 alone waits inside a split layer) (the rest are marked matrix: ``make test-matrix``)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ CASES = {
     "deepspeed-zero3": ("deepspeed", "deepspeed", ["--zero-stage", "3"]),
     "deepspeed-zero0": ("deepspeed", "deepspeed", ["--zero-stage", "0"]),
     "horovod": ("horovodrun", "horovod", []),
+    # Tensor parallel 2: the MLP's layers split, so a forward on rank 0 alone waits inside a split layer.
+    "ddp-tp2": ("torchrun", "ddp", ["--tensor-parallel", "2"]),
 }
 #: What the verdict must say of each way, beside the rank and the line.
 SAYS = {
@@ -47,6 +49,7 @@ QUICK = {
     "deepspeed-zero3": set(),
     "deepspeed-zero0": set(),
     "horovod": set(),
+    "ddp-tp2": {"eval"},
 }
 #: The scenarios' (CI runs them after make test).
 SCENARIO = {
@@ -55,6 +58,7 @@ SCENARIO = {
     "deepspeed-zero3": {"eval"},
     "deepspeed-zero0": {"sleep"},
     "horovod": {"raise"},
+    "ddp-tp2": set(),
 }
 
 
@@ -103,6 +107,10 @@ def test_every_rank_names_the_rank_the_call_and_the_line(case, part, tmp_path):
     text = one_verdict(res.output)
     assert any(line in text for line in lines(part)), f"no line of {lines(part)} in: {text}"
     assert re.search(SAYS[part], text), f"{SAYS[part]!r} not in: {text}"
+    if "--tensor-parallel" in extra and part == "eval":  # the wait is inside the split layers' forward
+        assert re.search(r"rank 0 is in the model's forward #\d+ [^;]*\(" + re.escape(lines(part)[0]) + r"\)", text), (
+            text
+        )
     parted = min(float(t) for t in re.findall(r"parting at ([0-9.]+)", res.output))
     after = ended - parted
     print(f"{case}-{part}: the job ended {after:.1f} s after its ranks parted ({res.seconds:.0f} s in all)")

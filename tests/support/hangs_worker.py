@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -28,7 +29,9 @@ def main() -> None:
     args = p.parse_args()
     with parallelx.from_args(args) as backend:
         torch.manual_seed(0)
-        model = backend.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        # Named as an MLP's layers, so that --tensor-parallel splits them: a forward is then a collective.
+        layers = OrderedDict(fc1=nn.Linear(4, 8), act=nn.ReLU(), fc2=nn.Linear(8, 2))
+        model = backend.wrap_model(nn.Sequential(layers))
         opt = backend.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = torch.randn(3, 4).to(backend.device), torch.tensor([0, 1, 0]).to(backend.device)
 
