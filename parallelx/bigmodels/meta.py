@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -393,8 +394,6 @@ def _libraries_initialise() -> Iterator[None]:
     as the eager build does: ``transformers`` asks ``torch.tensor([]).device`` and, finding meta,
     leaves every ``_init_weights`` out (its models would get ``nn.Linear``'s defaults instead of their
     own, and the random generator would end elsewhere).  The recording makes their draws cost nothing."""
-    import sys
-
     utils = sys.modules.get("transformers.modeling_utils")
     probe = getattr(utils, "get_torch_context_manager_or_global_device", None)
     if probe is None:
