@@ -12,6 +12,10 @@ a safetensors header is one ranged read, and a tensor's rows another, so a rank 
 share there too; a ``torch.save`` file in a store is read whole into memory (it has no index of
 its tensors to read from).
 
+A local ``torch.distributed.checkpoint`` folder (torchtitan's model-only checkpoints, PyTorch's FSDP2
+example's ``{"model", "optim"}`` ones, parallelx's sharded training state) is read too, a whole
+tensor at a time (DCP's files hold its writers' shards, not rows).
+
 :func:`match_names` pairs a model's names with a file's: equal once ``_orig_mod.`` (torch.compile),
 a leading ``module.`` (DDP, DataParallel) and ``_checkpoint_wrapped_module.`` (activation
 checkpointing) are set aside on both sides, as the portable checkpoints match them.
@@ -22,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +113,9 @@ class WeightFile:
         else:  # a memory-mapped torch.save file: only the pages of the rows are touched
             whole = handle[name]
             value = (whole[start:stop, cols] if columns is not None else whole[start:stop] if shape else whole).clone()
+            if isinstance(handle, _DcpFolder):  # read whole
+                self.bytes_read += whole.numel() * whole.element_size()
+                return value
         self.bytes_read += value.numel() * value.element_size()
         return value
 
@@ -188,6 +196,53 @@ def _torch_state(loc: Location) -> Mapping[str, torch.Tensor]:
     return state
 
 
+class _DcpFolder(Mapping[str, torch.Tensor]):
+    """A ``torch.distributed.checkpoint`` folder (``.metadata`` and the writers' files) read as weights,
+    by this process alone: a model-only checkpoint (torchtitan's) by its own names, a training
+    checkpoint (PyTorch's FSDP2 example: ``{"model": ..., "optim": ...}``; parallelx's sharded one:
+    ``{"model": ..., "optimizer": ...}``) by its model's, the ``model.`` prefix set aside.  DCP's
+    files hold the writers' shards, not rows: each tensor is read whole (put together from every
+    writer's shard), one at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.folder = folder
+        meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        tensors = {k: m for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+        model = {k[len("model.") :]: k for k in tensors if k.startswith("model.")}
+        #: name -> (DCP's key, shape, dtype)
+        self.tensors = {
+            name: (key, tuple(tensors[key].size), tensors[key].properties.dtype)
+            for name, key in (model.items() if model and len(model) < len(tensors) else ((k, k) for k in tensors))
+        }
+        self._last: tuple[str, torch.Tensor] | None = None  # a slot's rows asked for one after another
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        import torch.distributed.checkpoint as dcp
+
+        key, shape, dtype = self.tensors[name]
+        one = {key: torch.empty(shape, dtype=dtype)}
+        with warnings.catch_warnings():  # "... uninitialized, assuming ... a single process": asked for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(one, storage_reader=dcp.FileSystemReader(str(self.folder)), no_dist=True)
+        self._last = (name, one[key])
+        return one[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _is_dcp(loc: Location) -> bool:
+    return isinstance(loc, Path) and (loc / ".metadata").is_file()
+
+
 def _numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:
@@ -212,10 +267,20 @@ def _listed(header: Mapping[str, Any], path: Location) -> dict[str, tuple[tuple[
 
 def open_weights(path: str | os.PathLike[str]) -> WeightFile:
     """The weights at ``path`` (a local path or a URL): a ``.safetensors`` file, a ``torch.save`` state
-    dict, or a Hugging Face model folder (sharded safetensors with ``model.safetensors.index.json``,
-    ``model.safetensors``, or ``pytorch_model.bin``)."""
+    dict, a Hugging Face model folder (sharded safetensors with ``model.safetensors.index.json``,
+    ``model.safetensors``, or ``pytorch_model.bin``), or (local) a ``torch.distributed.checkpoint``
+    folder (:class:`_DcpFolder`)."""
     loc = storage.location(path)
     files: list[Location]
+    if _is_dcp(loc):
+        folder = _DcpFolder(loc)  # type: ignore[arg-type]
+        listed = {name: (loc, shape, dtype) for name, (_, shape, dtype) in folder.tensors.items()}
+        return WeightFile(listed, _handles={loc: folder})
+    if not isinstance(loc, Path) and storage.is_file(storage.join(loc, ".metadata")):
+        raise ParallelxError(
+            f"{storage.show(loc)}: a torch.distributed.checkpoint folder is read from a local disk only; copy it "
+            "there first (or write the weights as safetensors: parallelx.save_pretrained, convert-checkpoint)"
+        )
     if storage.is_file(loc):
         files = [loc]
     elif storage.is_file(storage.join(loc, INDEX)):

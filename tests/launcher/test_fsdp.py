@@ -70,6 +70,23 @@ def test_sharded_checkpoint_resumes_bitwise_and_at_another_world_size(runs, opti
         assert max_diff(got["loaded_optimizer"]["state"], portable["optimizer"]["state"]) == 0.0
 
 
+def test_the_shards_load_with_plain_dcp_and_as_pretrained_weights(runs):
+    # docs/checkpoints.md's snippet: the model's shards read by plain torch.distributed.checkpoint code
+    # (here in one process, no process group), and the shards folder given to parallelx.load_pretrained.
+    import torch.distributed.checkpoint as dcp
+
+    from parallelx.bigmodels.formats import open_weights
+
+    step = Path(torch.load(runs["two"] / "result-adamw.pt", weights_only=True)["path"])
+    portable = torch.load(runs["two"] / "portable-adamw.pt", weights_only=True)["model"]
+    state = {"model": {k: torch.empty_like(v) for k, v in portable.items()}}
+    dcp.load(state, checkpoint_id=str(step / "shards"), no_dist=True)
+    assert max_diff(state["model"], portable) == 0.0
+    weights = open_weights(step / "shards")
+    assert sorted(weights.names()) == sorted(portable)  # the model's, not the optimizer's
+    assert all(torch.equal(weights.rows(k), v) for k, v in portable.items())
+
+
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_convert_and_resume_without_sharding(runs, optim, tmp_path):
     step = Path(torch.load(runs["two"] / f"result-{optim}.pt", weights_only=True)["path"])

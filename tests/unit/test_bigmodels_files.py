@@ -66,3 +66,42 @@ def test_convert_checkpoint_to_safetensors_loads_with_from_pretrained(tmp_path, 
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("layout", ["model-only", "fsdp2-example"])
+def test_a_plain_dcp_folder_loads_as_pretrained_weights_eager_and_meta(tmp_path, layout):
+    # torchtitan's model-only checkpoints (the model's own names) and PyTorch's FSDP2 example's
+    # {"model": ..., "optim": ...}, written by plain torch.distributed.checkpoint code.
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import parallelx
+    from parallelx.bigmodels.meta import materialize
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+
+    torch.manual_seed(1)
+    source = build()
+    state = source.state_dict()
+    if layout == "fsdp2-example":
+        opt = torch.optim.AdamW(source.parameters())
+        source(torch.arange(4)).sum().backward()
+        opt.step()
+        state = {"model": source.state_dict(), "optim": opt.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.manual_seed(2)
+    eager = build()
+    weights = parallelx.load_pretrained(eager, tmp_path / "dcp")
+    with parallelx.init_module():
+        lazy = build()
+    parallelx.load_pretrained(lazy, tmp_path / "dcp")
+    materialize(lazy)
+    for model in (eager, lazy):
+        got = model.state_dict()
+        assert sorted(got) == sorted(source.state_dict())
+        assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    assert weights.bytes_read == sum(v.numel() * v.element_size() for v in source.state_dict().values())
