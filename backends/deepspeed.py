@@ -699,8 +699,11 @@ class DeepSpeedSync(GradientSync):
         ds = cast(DeepSpeedOptimizer, optimizer)
         names = owner_names(ds.trained_params, self.models())
         slices = zero_state.reduced_gradients(ds.optimizer, self.zero_stage)
-        whole = zero_state.whole_gradients(slices, ds.trained_params, lambda t: self.comm.all_reduce(t, "sum"))
-        return {names.get(id(p), f"param{i}"): g for i, (p, g) in enumerate(whole)}
+        # ZeRO partitions over the data-parallel ranks: under tensor parallelism, those of this rank's group.
+        tp = self.tensor_parallel
+        comm = self.comm if tp is None else tp.mesh.data_comm
+        whole = zero_state.whole_gradients(slices, ds.trained_params, lambda t: comm.all_reduce(t, "sum"))
+        return self.named_whole([(names.get(id(p), f"param{i}"), p, g) for i, (p, g) in enumerate(whole)])
 
     def engines_for(self, loss: torch.Tensor, model: nn.Module | None) -> list[Any]:
         """The engines whose parameters ``loss`` reaches, the named model's first (it runs the

@@ -162,11 +162,13 @@ class FSDPSync(GradientSync):
 
     def averaged_gradients(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         names = owner_names(optimizer_params(optimizer), self.models())
-        return {
-            names.get(id(p), f"param{i}"): fsdp_state.full(p.grad).float()
-            for i, p in enumerate(optimizer_params(optimizer))
-            if p.grad is not None
-        }
+        return self.named_whole(
+            [
+                (names.get(id(p), f"param{i}"), p, fsdp_state.full(p.grad).float())
+                for i, p in enumerate(optimizer_params(optimizer))
+                if p.grad is not None
+            ]
+        )
 
 
 class FSDPStateIO(StateIO):

@@ -228,6 +228,7 @@ class Analysis:
         rtol: float | None = None,
         seconds: float = 0.0,
         factor: float = FACTOR,
+        tensor_parallel: int = 1,
     ) -> None:
         self.script = list(script)
         self.reference = reference if reference is not None and reference.usable else None
@@ -242,7 +243,9 @@ class Analysis:
                 self.floor = None
         self.runs = list(runs)
         self.usable = [r for r in self.runs if r.usable]
+        #: The data-parallel ranks (the processes, or under tensor parallelism their groups).
         self.nproc = nproc
+        self.tensor_parallel = tensor_parallel
         self.steps = steps
         self.rtol = rtol
         self.seconds = seconds
@@ -299,7 +302,7 @@ class Analysis:
     # ------------------------------------------------------------ the rules
     def ranks(self, run: RunResult) -> tuple[bool | None, int | None]:
         """Do the ranks of ``run`` hold the same weights after every step?  If not, why."""
-        if run.spec.nproc < 2:
+        if run.n_ranks() < 2:
             return None, None
         counts = run.steps_done()
         if len(set(counts.values())) > 1:
@@ -378,7 +381,7 @@ class Analysis:
 
     def same_samples(self, run: RunResult) -> None:
         """Every rank read the very same inputs: a loader that does not shard."""
-        if run.spec.nproc < 2 or len(run.ranks) < 2:
+        if run.n_ranks() < 2 or len(run.ranks) < 2:
             return
         per_rank = {r: [m["input"] for m in run.micro(r, 1)] for r in sorted(run.ranks)}
         lengths = [len(v) for v in per_rank.values()]
@@ -505,7 +508,7 @@ class Analysis:
         base = self.base
         if base is None:
             return
-        if self.has_batchnorm(base, per_rank=False) and base.spec.nproc > 1:
+        if self.has_batchnorm(base, per_rank=False) and base.n_ranks() > 1:
             self.limits.append(
                 "the model's BatchNorm is synchronised over the ranks (sync_batchnorm): one process playing the "
                 "ranks one after another normalises each rank's micro-batch alone"
@@ -647,6 +650,7 @@ class Analysis:
         return Report(
             script=self.script,
             nproc=self.nproc,
+            tensor_parallel=self.tensor_parallel,
             steps=steps,
             level=level,
             level_reason="; ".join(self.limits) if self.limits else None,
@@ -824,7 +828,7 @@ class Analysis:
 
     def _batchnorm_notes(self) -> None:
         base = self.base
-        if base is not None and base.spec.nproc > 1 and self.has_batchnorm(base, per_rank=True):
+        if base is not None and base.n_ranks() > 1 and self.has_batchnorm(base, per_rank=True):
             self.add(
                 "batchnorm-per-rank",
                 "BatchNorm normalises with each rank's own micro-batch (inherent, not a failure): the reference does "

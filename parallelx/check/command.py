@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parallelx.check.analysis import Analysis
 from parallelx.check.report import Report
-from parallelx.check.runs import plan, run_all
+from parallelx.check.runs import STAGE_OPTION, accepts, plan, run_all, tensor_parallel_degree
 from parallelx.errors import ParallelxError
 
 DEFAULT_STAGES = (0, 3)
@@ -44,7 +44,9 @@ def check_script(
     and how to fix it), 2 when a run could not be used.  ``rtol`` sets the
     least tolerance (default: 16 float32 roundings, or the autocast type's
     rounding under mixed precision); ``timeout`` bounds each run, in seconds;
-    ``keep`` keeps every run's records in that folder.
+    ``keep`` keeps every run's records in that folder.  With ``--tensor-parallel N`` among the
+    script's arguments, each backend that splits layers runs it so (``nproc`` processes, N to a
+    group) and the reference, one process without it, plays the ``nproc / N`` data-parallel ranks.
     """
     target = _target(script, args, cwd)
     if nproc < 2:
@@ -55,7 +57,12 @@ def check_script(
         raise ParallelxError(f"rtol must be a number > 0, got {rtol}")
     if any(s < 0 for s in stages):
         raise ParallelxError(f"stages must be >= 0, got {list(stages)}")
-    specs = plan(backends, stages, nproc)
+    tp = tensor_parallel_degree(target)
+    if tp > 1 and 3 in stages:  # ZeRO-3 does not split layers (docs/tensor-parallel.md); ZeRO-2 does
+        stages = sorted({2 if s == 3 else s for s in stages})
+        if progress and (backends is None or any(accepts(b, STAGE_OPTION) for b in backends)):
+            progress(f"ZeRO-3 does not take --tensor-parallel: ZeRO stages {','.join(map(str, stages))} instead")
+    specs = plan(backends, stages, nproc, tp)
     start = time.monotonic()
     folder = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="parallelx-check-"))
     try:
@@ -67,7 +74,15 @@ def check_script(
             shutil.rmtree(folder, ignore_errors=True)
     shown = target if target[0] == "-m" else [target[0], *target[1:]]
     analysis = Analysis(
-        shown, reference, floor, runs, nproc=nproc, steps=steps, rtol=rtol, seconds=time.monotonic() - start
+        shown,
+        reference,
+        floor,
+        runs,
+        nproc=nproc // tp,
+        steps=steps,
+        rtol=rtol,
+        seconds=time.monotonic() - start,
+        tensor_parallel=tp,
     )
     return analysis.report()
 
@@ -136,13 +151,6 @@ def main(args: argparse.Namespace, target: list[str]) -> int:
     except ValueError:
         raise ParallelxError(f"--zero-stages must be a comma-separated list of integers, got {args.stages!r}") from None
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
-    if any(a == "--tensor-parallel" or a.startswith("--tensor-parallel=") for a in target):
-        # The one-process reference plays N data-parallel ranks in one process; a split layer needs its group.
-        raise ParallelxError(
-            "check: --tensor-parallel is not offered yet: the check's one-process reference plays the data-parallel "
-            "ranks in one process, and a split layer needs its group of processes; check the script without it "
-            "(the split layers' numbers against one process are measured in docs/tensor-parallel.md)"
-        )
 
     def progress(what: str) -> None:
         print(f"check: running {what}", file=sys.stderr, flush=True)

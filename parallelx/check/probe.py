@@ -165,7 +165,12 @@ class Probe(Observer):
         self.limit = max(1, steps)
         self.perturb = perturb
         self.wait = wait
-        self.rank = backend.rank
+        # Under tensor parallelism a group of processes is one rank of the data: recorded once, by its
+        # tensor-parallel rank 0, as the data-parallel rank (what the reference's virtual ranks are).
+        mesh = backend.mesh
+        self.rank = mesh.data_rank
+        self.records = mesh.tp_rank == 0
+        self.process = backend.rank
         self.world = backend.comm.world_size  # the processes (in the reference: 1)
         self.models: list[nn.Module] = []  # as wrap_model returned them
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -372,7 +377,7 @@ class Probe(Observer):
             "grads": {k: tensor_digest(g) for k, g in grads.items()},
             "groups": hyperparameters(optimizer),
         }
-        if self.steps_done == 0 and self.rank == 0:
+        if self.steps_done == 0 and self.rank == 0 and self.records:
             self.first_grads = grads
 
     def _step_done(self, optimizer: torch.optim.Optimizer) -> None:
@@ -427,6 +432,8 @@ class Probe(Observer):
         }
         if self.world_of is not None:
             self.record["reference"] = self.world_of.report()
+        if not self.records:  # a tensor-parallel peer: its group's rank 0 records what they share
+            return
         if weights is not None and self.rank == 0:
             torch.save(weights, self.folder / "weights.pt")
         if self.first_grads is not None:
@@ -436,10 +443,10 @@ class Probe(Observer):
         tmp.replace(self.folder / f"rank{self.rank}.json")
 
     def _peer_finished(self) -> bool:
-        return any((self.folder / f"done-{r}").exists() for r in range(self.world) if r != self.rank)
+        return any((self.folder / f"done-{r}").exists() for r in range(self.world) if r != self.process)
 
     def _rendezvous_and_exit(self) -> None:
-        (self.folder / f"done-{self.rank}").touch()
+        (self.folder / f"done-{self.process}").touch()
         end = time.monotonic() + self.wait
         while time.monotonic() < end:
             if all((self.folder / f"done-{r}").exists() for r in range(self.world)):

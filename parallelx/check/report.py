@@ -90,6 +90,8 @@ class Report:
     exit_code: int
     verdict: str
     seconds: float
+    #: ``--tensor-parallel``'s degree: each of the ``nproc`` ranks is a group of this many processes.
+    tensor_parallel: int = 1
 
     @property
     def same(self) -> bool:
@@ -112,10 +114,16 @@ class Report:
 
     # ---------------------------------------------------------------- text
     def render(self) -> str:
-        lines = [f"parallelx check: {' '.join(self.script)}", f"  {self.nproc} processes, {self.steps} optimizer steps"]
+        processes = (
+            f"{self.nproc} processes"
+            if self.tensor_parallel == 1
+            else f"{self.nproc * self.tensor_parallel} processes ({self.nproc} data-parallel x tensor parallel "
+            f"{self.tensor_parallel})"
+        )
+        lines = [f"parallelx check: {' '.join(self.script)}", f"  {processes}, {self.steps} optimizer steps"]
         if self.level == 2:
             lines.append(
-                f"  reference: one process playing {self.nproc} ranks; it rebuilt every rank's batches exactly, "
+                f"  reference: one process playing {self.nproc} rank{'s' if self.nproc != 1 else ''}; it rebuilt every rank's batches exactly, "
                 "so each backend is compared with it (level 2) and with the others (level 1)"
             )
         else:

@@ -51,10 +51,18 @@ class RunSpec:
     #: The reference's virtual ranks (0: a real run).
     ranks: int = 0
     perturb: float = 0.0
+    #: ``--tensor-parallel``'s degree in the script's arguments: each group of this many processes is
+    #: one data-parallel rank, recorded once (by its tensor-parallel rank 0).
+    tp: int = 1
 
     @property
     def real(self) -> bool:
         return self.ranks == 0
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read their own data: the processes, or their tensor-parallel groups."""
+        return self.nproc // self.tp
 
 
 @dataclass
@@ -107,7 +115,7 @@ class RunResult:
         return dict(self.rank0().get("options", {}))
 
     def n_ranks(self) -> int:
-        return self.spec.ranks if not self.spec.real else self.spec.nproc
+        return self.spec.ranks if not self.spec.real else self.spec.data_ranks
 
 
 # ---------------------------------------------------------------- which runs
@@ -131,9 +139,48 @@ def default_backends() -> list[str]:
     return names
 
 
-def plan(backends: Sequence[str] | None, stages: Sequence[int], nproc: int) -> list[RunSpec]:
-    """The real runs: each backend (a backend with stages once per stage), ``nproc`` processes each."""
-    names = list(backends) if backends else default_backends()
+#: The options that split layers: the reference (one process) runs the script without them.
+TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel", "--sequence-parallel")
+
+
+def tensor_parallel_degree(target: Sequence[str]) -> int:
+    """``--tensor-parallel N`` among the script's arguments (1 without it)."""
+    for i, arg in enumerate(target):
+        value = arg.split("=", 1)[1] if arg.startswith("--tensor-parallel=") else None
+        if arg == "--tensor-parallel" and i + 1 < len(target):
+            value = target[i + 1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ParallelxError(f"--tensor-parallel takes a whole number, got {value!r}") from None
+    return 1
+
+
+def without_tensor_parallel(target: Sequence[str]) -> list[str]:
+    """The script's arguments for the one-process reference: no layer is split there."""
+    out, skip = [], False
+    for arg in target:
+        if skip:
+            skip = False
+            continue
+        if arg == "--tensor-parallel":
+            skip = True
+            continue
+        if arg == "--sequence-parallel" or any(arg.startswith(f"{o}=") for o in TENSOR_PARALLEL_OPTIONS):
+            continue
+        out.append(arg)
+    return out
+
+
+def plan(backends: Sequence[str] | None, stages: Sequence[int], nproc: int, tp: int = 1) -> list[RunSpec]:
+    """The real runs: each backend (a backend with stages once per stage), ``nproc`` processes each;
+    under ``--tensor-parallel`` (``tp`` > 1) the backends that split layers, at the stages that do."""
+    if nproc % tp:
+        raise ParallelxError(
+            f"--tensor-parallel {tp} must divide the check's --nproc {nproc}: give --nproc {tp} or {2 * tp}"
+        )
+    names = list(backends) if backends else [n for n in default_backends() if tp == 1 or describe(n).tensor_parallel]
     if not names:
         raise ParallelxError(
             "no multi-process backend is installed here; `python -m parallelx env` says why each is unavailable"
@@ -152,20 +199,26 @@ def plan(backends: Sequence[str] | None, stages: Sequence[int], nproc: int) -> l
         reason = runner.unavailable(described)
         if reason is not None:
             raise ParallelxError(f"--backends: {name} cannot run here: {reason}")
+        if tp > 1 and not described.tensor_parallel:
+            raise ParallelxError(
+                f"--backends: {name} cannot split layers (the script's --tensor-parallel {tp}); check it on the "
+                "backends that do (ddp, fsdp, deepspeed), or check the script without --tensor-parallel"
+            )
         if stages and accepts(name, STAGE_OPTION):
-            specs += [RunSpec(f"{name}-zero{z}", name, (STAGE_OPTION, str(z)), nproc) for z in stages]
+            specs += [RunSpec(f"{name}-zero{z}", name, (STAGE_OPTION, str(z)), nproc, tp=tp) for z in stages]
         else:
-            specs.append(RunSpec(name, name, (), nproc))
+            specs.append(RunSpec(name, name, (), nproc, tp=tp))
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ParallelxError(f"--backends names a backend twice: {', '.join(names)}")
     return specs
 
 
-def reference_specs(nproc: int) -> tuple[RunSpec, RunSpec]:
+def reference_specs(ranks: int) -> tuple[RunSpec, RunSpec]:
+    """The one-process reference and its floor, playing ``ranks`` data-parallel ranks."""
     return (
-        RunSpec("reference", REFERENCE_BACKEND, (), 1, ranks=nproc),
-        RunSpec("floor", REFERENCE_BACKEND, (), 1, ranks=nproc, perturb=FLOAT32_HALF_ULP),
+        RunSpec("reference", REFERENCE_BACKEND, (), 1, ranks=ranks),
+        RunSpec("floor", REFERENCE_BACKEND, (), 1, ranks=ranks, perturb=FLOAT32_HALF_ULP),
     )
 
 
@@ -199,7 +252,8 @@ def run_one(
     if "PARALLELX_TIMEOUT" not in os.environ:
         # A stalled collective ends within the run's time, and sooner where the reference's time says so.
         env["PARALLELX_TIMEOUT"] = str(int(collective_timeout) if collective_timeout else max(30, int(timeout)))
-    argv = [*target, "--backend", spec.backend, *spec.extra]
+    # The reference splits no layer: one process computes what every tensor-parallel group computes.
+    argv = [*(target if spec.real else without_tensor_parallel(target)), "--backend", spec.backend, *spec.extra]
     done = runner.launch(describe(spec.backend).launcher, argv, spec.nproc, timeout=timeout, env=env, cwd=cwd)
     result = RunResult(spec, seconds=done.seconds, returncode=done.returncode, timed_out=done.timed_out)
     result.tail = done.tail(40)
@@ -230,10 +284,14 @@ def _why_unusable(result: RunResult, launch_error: str | None, output: str) -> s
             f"the script ran on {ran!r}, not {spec.backend!r}: it must take --backend "
             "(parallelx.add_arguments(parser) and parallelx.from_args(args))"
         )
-    missing = [r for r in range(spec.nproc) if r not in result.ranks]
+    missing = [r for r in range(spec.data_ranks) if r not in result.ranks]
     if missing:
         why = launch_error or "it ended"
         return f"{why}; rank(s) {', '.join(map(str, missing))} recorded nothing; {last_error_line(output)}"
+    if launch_error is not None and not any(result.steps_done().values()):
+        # It failed before any rank took a step: nothing of it to compare, and the error is the finding
+        # (a tensor-parallel group whose ranks read different batches stops at the first forward).
+        return f"{launch_error}; {last_error_line(output)}"
     if launch_error is not None:
         # Every rank recorded what it saw; the failure came after (a rank left waiting in a collective).
         result.launch_error = f"{launch_error}; {last_error_line(output)}"
@@ -289,7 +347,7 @@ def run_all(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[RunResult, RunResult, list[RunResult]]:
     """The reference and the floor (side by side: one process each), then every real run in turn."""
-    reference, floor = reference_specs(specs[0].nproc if specs else 2)
+    reference, floor = reference_specs(specs[0].data_ranks if specs else 2)
     results: dict[str, RunResult] = {}
 
     sized: list[float] = []

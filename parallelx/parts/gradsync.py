@@ -154,8 +154,17 @@ class GradientSync:
         Valid between :meth:`synchronize` and :meth:`apply`; a collective
         where gradients are sharded: every rank calls it."""
         names = owner_names(optimizer_params(optimizer), self.models())
-        return {
-            names.get(id(p), f"param{i}"): p.grad.detach().to("cpu", torch.float32, copy=True)
-            for i, p in enumerate(optimizer_params(optimizer))
-            if p.grad is not None
-        }
+        return self.named_whole(
+            [
+                (names.get(id(p), f"param{i}"), p, p.grad.detach().to("cpu", torch.float32, copy=True))
+                for i, p in enumerate(optimizer_params(optimizer))
+                if p.grad is not None
+            ]
+        )
+
+    def named_whole(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``(name, parameter, gradient whole over the data-parallel ranks)`` as ``{name: gradient}``;
+        under tensor parallelism a split layer's slices put together too (a collective of the group)."""
+        if self.tensor_parallel is None:
+            return {name: g for name, _, g in pairs}
+        return self.tensor_parallel.whole_gradients(pairs)

@@ -134,6 +134,7 @@ class TensorParallel:
         self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, Layout]] = weakref.WeakKeyDictionary()
         #: The split parameters as objects (ids), refreshed after an engine replaces them (:meth:`track`).
         self._split_ids: set[int] = set()
+        self._layout_ids: dict[int, Layout] = {}
         #: Under sequence parallelism, the whole-kept parameters whose gradients are partial sums.
         self._partial: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
         self._partial_ids: set[int] = set()
@@ -249,6 +250,7 @@ class TensorParallel:
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in layouts:
                 self._split_ids.add(id(p))
+                self._layout_ids[id(p)] = layouts[name]
             if name in partial:
                 self._partial_ids.add(id(p))
 
@@ -403,6 +405,16 @@ class TensorParallel:
         parts = [torch.empty_like(t.contiguous()) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return whole_from_slices(parts, layout.dim, layout.parts).to(device)
+
+    def whole_gradients(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``(name, parameter, gradient)`` as ``{name: whole gradient}``: a split parameter's slices put
+        together over the group (the ranks hold the same parameters in the same order: every rank
+        calls it, a collective), the others as they are."""
+        out = {}
+        for name, param, grad in pairs:
+            layout = self._layout_ids.get(id(param))
+            out[name] = grad if layout is None else self.gather(grad, layout)
+        return out
 
     def slice_state(self, model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
         """Whole tensors of ``state`` cut to this rank's slices (no communication)."""

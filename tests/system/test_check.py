@@ -36,10 +36,10 @@ SCRIPTS = "tests/support/check_scripts"
 CLI_BACKENDS = ["ddp", "horovod", "fsdp"]
 
 
-def check(script: str, *args: str, backends: list[str], stages: tuple[int, ...] = (3,)) -> Report:
+def check(script: str, *args: str, backends: list[str], stages: tuple[int, ...] = (3,), nproc: int = 2) -> Report:
     for name in backends:
         require_launcher({"ddp": "torchrun", "fsdp": "torchrun", "horovod": "horovodrun"}.get(name, name))
-    return check_script(script, *args, backends=backends, stages=stages, cwd=ROOT, timeout=300)
+    return check_script(script, *args, backends=backends, stages=stages, cwd=ROOT, timeout=300, nproc=nproc)
 
 
 def summary(report: Report) -> str:
@@ -144,6 +144,26 @@ def test_every_loop_form_checks_clean_on_every_backend():
     assert_clean_in_every_form(
         report, ["ddp", "horovod", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3", "fsdp"]
     )
+
+
+def test_tensor_parallel_checks_clean_against_one_process_playing_the_data_ranks():
+    """--tensor-parallel 2 at 4 processes: each backend that splits layers runs the script so, and the
+    reference (one process, no split) plays the 2 data-parallel ranks.  The gradients are compared
+    whole (a split layer's slices put together over its group): read as slices, fc1's step-1
+    gradient had half the reference's rows."""
+    report = check(FORMS, "--tensor-parallel", "2", backends=["ddp", "fsdp", "deepspeed"], stages=(1,), nproc=4)
+    assert_clean_in_every_form(report, ["ddp", "fsdp", "deepspeed-zero1"])
+    assert report.nproc == 2 and report.tensor_parallel == 2
+    assert "4 processes (2 data-parallel x tensor parallel 2)" in summary(report)
+
+
+@scenario
+def test_tensor_parallel_peers_reading_different_batches_cannot_run(tmp_path):
+    """nanoGPT seeds its data by backend.rank: the two ranks of a tensor-parallel group read
+    different batches, which parallelx stops at the first forward; the check says so (exit 2)."""
+    report = check(f"{SCRIPTS}/nanogpt_port.py", "--tensor-parallel", "2", backends=["ddp"])
+    assert report.exit_code == COULD_NOT_RUN, summary(report)
+    assert "read different batches" in summary(report) and "backend.mesh.data_rank" in summary(report)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ one of each), ZeRO 0 included (parallelx lets its engine take a plain
 """
 
 import argparse
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ def main() -> None:
         parallelx.seed_everything(0)
         g = torch.Generator().manual_seed(1)
         data = TensorDataset(torch.randn(64, 20, generator=g), torch.randint(0, 3, (64,), generator=g))
-        model = backend.wrap_model(nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 3)))
+        # An MLP's layers by name: under --tensor-parallel the first is split by its outputs, the second by its inputs.
+        layers = OrderedDict(fc1=nn.Linear(20, 32), act=nn.Tanh(), fc2=nn.Linear(32, 3))
+        model = backend.wrap_model(nn.Sequential(layers))
         optimizer = backend.wrap_optimizer(
             torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-3)
         )
