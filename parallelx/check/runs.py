@@ -196,14 +196,14 @@ def plan(backends: Sequence[str] | None, stages: Sequence[int], nproc: int, tp: 
                 f"--backends: {name} runs one process; the check compares multi-process backends with its own "
                 "one-process reference (leave it out)"
             )
-        reason = runner.unavailable(described)
-        if reason is not None:
-            raise ParallelxError(f"--backends: {name} cannot run here: {reason}")
         if tp > 1 and not described.tensor_parallel:
             raise ParallelxError(
                 f"--backends: {name} cannot split layers (the script's --tensor-parallel {tp}); check it on the "
                 "backends that do (ddp, fsdp, deepspeed), or check the script without --tensor-parallel"
             )
+        reason = runner.unavailable(described)
+        if reason is not None:
+            raise ParallelxError(f"--backends: {name} cannot run here: {reason}")
         if stages and accepts(name, STAGE_OPTION):
             specs += [RunSpec(f"{name}-zero{z}", name, (STAGE_OPTION, str(z)), nproc, tp=tp) for z in stages]
         else:

@@ -151,8 +151,9 @@ def test_tensor_parallel_checks_clean_against_one_process_playing_the_data_ranks
     reference (one process, no split) plays the 2 data-parallel ranks.  The gradients are compared
     whole (a split layer's slices put together over its group): read as slices, fc1's step-1
     gradient had half the reference's rows."""
-    report = check(FORMS, "--tensor-parallel", "2", backends=["ddp", "fsdp", "deepspeed"], stages=(1,), nproc=4)
-    assert_clean_in_every_form(report, ["ddp", "fsdp", "deepspeed-zero1"])
+    # (fsdp too, measured: docs/check.md; its gradients are put together by the same part as ddp's.)
+    report = check(FORMS, "--tensor-parallel", "2", backends=["ddp", "deepspeed"], stages=(1,), nproc=4)
+    assert_clean_in_every_form(report, ["ddp", "deepspeed-zero1"])
     assert report.nproc == 2 and report.tensor_parallel == 2
     assert "4 processes (2 data-parallel x tensor parallel 2)" in summary(report)
 

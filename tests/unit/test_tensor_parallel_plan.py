@@ -155,12 +155,22 @@ def test_without_tensor_parallelism_the_mesh_is_the_world() -> None:
         assert backend.mesh.tp_size == 1 and not backend.mesh.tensor_parallel
 
 
-def test_the_check_says_it_does_not_take_tensor_parallel_yet() -> None:
-    from parallelx.check import command
+def test_the_check_plans_tensor_parallel_runs_and_a_reference_without_the_option() -> None:
+    from parallelx.check import runs
 
-    args = argparse.Namespace(stages=None, backends=None)
-    with pytest.raises(ParallelxError, match="check: --tensor-parallel is not offered yet"):
-        command.main(args, ["train.py", "--tensor-parallel", "2"])
+    target = ["train.py", "--lr", "0.1", "--tensor-parallel", "2", "--sequence-parallel"]
+    assert runs.tensor_parallel_degree(target) == 2 and runs.tensor_parallel_degree(["t.py"]) == 1
+    assert runs.tensor_parallel_degree(["t.py", "--tensor-parallel=4"]) == 4
+    # The reference (one process) splits nothing: both options dropped, the script's own kept.
+    assert runs.without_tensor_parallel(target) == ["train.py", "--lr", "0.1"]
+    specs = runs.plan(["ddp"], (), 4, tp=2)
+    assert [(s.label, s.nproc, s.tp, s.data_ranks) for s in specs] == [("ddp", 4, 2, 2)]
+    with pytest.raises(ParallelxError, match="--tensor-parallel 2 must divide the check's --nproc 3"):
+        runs.plan(["ddp"], (), 3, tp=2)
+    with pytest.raises(ParallelxError, match="horovod cannot split layers"):
+        runs.plan(["horovod"], (), 2, tp=2)
+    with pytest.raises(ParallelxError, match="takes a whole number"):
+        runs.tensor_parallel_degree(["t.py", "--tensor-parallel", "two"])
 
 
 def test_deepspeed_refuses_zero_3_with_tensor_parallel_when_built() -> None:
