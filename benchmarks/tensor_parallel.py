@@ -1,9 +1,11 @@
 """Tensor parallelism's memory and step time, side by side: the same GPT at 4 processes as fsdp
 (data parallel 4), fsdp tensor parallel 2 x data parallel 2, and ddp tensor parallel 2 x data
-parallel 2, each with and without ``--sequence-parallel``.
+parallel 2, each with and without ``--sequence-parallel``; on request, with the loss on the head's
+vocabulary shards (``--loss-parallel``, the ``+ lp`` configurations: ``--job vocab`` is where it shows).
 
     python -m benchmarks.tensor_parallel                       # the 200 M GPT, one round
     python -m benchmarks.tensor_parallel --job small --rounds 1 --steps 3
+    python -m benchmarks.tensor_parallel --job vocab --configs "ddp tp2 x dp2" "ddp tp2 x dp2 + lp"
 
 Each configuration is a launch of its own (torchrun, 4 processes, Gloo on the CPU), in alternating
 order over the rounds.  A launch builds the GPT from one seed, trains ``--steps`` AdamW steps after
@@ -35,6 +37,8 @@ JOBS = {
     # ~200 M parameters in the blocks (16 x 12 x 1024^2), a vocabulary of 8192 (8 M, tied).
     "200m": {"n_layer": 16, "n_head": 16, "n_embd": 1024, "vocab": 8192, "block": 256, "batch": 1},
     "small": {"n_layer": 2, "n_head": 4, "n_embd": 128, "vocab": 512, "block": 64, "batch": 4},
+    # Where the logits are most of the memory (a large vocabulary on a narrow model): --loss-parallel's case.
+    "vocab": {"n_layer": 2, "n_head": 4, "n_embd": 256, "vocab": 65536, "block": 512, "batch": 2},
 }
 CONFIGS = {
     "fsdp dp4": ("fsdp", []),
@@ -42,7 +46,11 @@ CONFIGS = {
     "fsdp tp2 x dp2 + sp": ("fsdp", ["--tensor-parallel", "2", "--sequence-parallel"]),
     "ddp tp2 x dp2": ("ddp", ["--tensor-parallel", "2"]),
     "ddp tp2 x dp2 + sp": ("ddp", ["--tensor-parallel", "2", "--sequence-parallel"]),
+    # The loss on the head's vocabulary shards (not in the default list: ask for them, with --job vocab).
+    "ddp tp2 x dp2 + lp": ("ddp", ["--tensor-parallel", "2", "--loss-parallel"]),
+    "fsdp tp2 x dp2 + lp": ("fsdp", ["--tensor-parallel", "2", "--loss-parallel"]),
 }
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith("+ lp")]
 
 
 def gpt(job: dict[str, int]) -> Any:
@@ -95,7 +103,9 @@ def worker(args: argparse.Namespace) -> None:
                 state_bytes = _held_bytes(model, opt)
             else:
                 times.append(time.perf_counter() - start)
-            losses.append(float(backend.all_reduce(loss.detach(), "mean")))
+            value = loss.detach()
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value  # --loss-parallel's DTensor
+            losses.append(float(backend.all_reduce(value, "mean")))
         peak = backend.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         held = backend.all_gather_object(state_bytes)
         if backend.rank == 0:
@@ -130,8 +140,9 @@ def _held_bytes(model: Any, opt: Any) -> int:
 def estimate(job: dict[str, int], config: str) -> float:
     """Bytes per rank of parameters, gradients and Adam's two moments: split tensors / N, all / FSDP2's shards."""
     c, layers, vocab, block = job["n_embd"], job["n_layer"], job["vocab"], job["block"]
-    split = layers * 12 * c * c + layers * (3 * c + c + 4 * c + c)  # the blocks' Linear weights and biases
-    whole = vocab * c + block * c + layers * 4 * c + 2 * c  # embeddings, norms (the head is tied)
+    # The blocks' Linear weights and biases, and the token embedding (tied to the head: its vocabulary split).
+    split = layers * 12 * c * c + layers * (3 * c + c + 4 * c + c) + vocab * c
+    whole = block * c + layers * 4 * c + 2 * c  # the position embedding, the norms
     tp = 2 if "tp2" in config else 1
     shards = 4 // tp if config.startswith("fsdp") else 1
     return 4 * 4 * (whole + split / tp) / shards
@@ -143,7 +154,7 @@ def main() -> int:
     parser.add_argument("--job", choices=sorted(JOBS), default="200m")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)

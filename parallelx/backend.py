@@ -335,7 +335,10 @@ class Backend:
             self.grad_sync = self.strategy.gradient_sync()
             self.elastic = self.strategy.elastic()
         if run.mesh.tensor_parallel:
-            self.tensor_parallel = TensorParallel(run.mesh, sequence_parallel=run.sequence_parallel, plan=run.tp_plan)
+            self.tensor_parallel = TensorParallel(
+                run.mesh, sequence_parallel=run.sequence_parallel, plan=run.tp_plan, loss_parallel=run.loss_parallel
+            )
+            run.on_shutdown.append(self.tensor_parallel.close)
             self.grad_sync.tensor_parallel = self.tensor_parallel
             if not isinstance(self.state_io, TensorParallelStateIO):
                 self.state_io = TensorParallelStateIO(self.state_io, self.tensor_parallel)

@@ -396,6 +396,13 @@ def add_arguments(
         help="under --tensor-parallel, keep each rank's chunk of the sequence between the split layers "
         "(norms, dropout, the residual stream): less activation memory",
     )
+    model.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="under --tensor-parallel, the output head's logits stay in vocabulary shards (a DTensor) and "
+        "F.cross_entropy runs on them: the logits' memory divided by N (anything else done with the logits "
+        "takes logits.full_tensor())",
+    )
     _add_tracking(options)
     for name in names:
         if name == "auto":

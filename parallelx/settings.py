@@ -111,6 +111,8 @@ def common_options(args: argparse.Namespace) -> dict[str, Any]:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "sequence_parallel", False):
         options["sequence_parallel"] = True
+    if getattr(args, "loss_parallel", False):
+        options["loss_parallel"] = True
     checkpointing = getattr(args, "activation_checkpointing", None)
     if checkpointing is not None:
         names = [n.strip() for n in checkpointing.split(",") if n.strip()]

@@ -121,6 +121,9 @@ class Options:
     tensor_parallel: int = 1
     #: Between the split layers, each rank keeps a chunk of the sequence (needs ``tensor_parallel`` > 1).
     sequence_parallel: bool = False
+    #: The output head's logits stay in vocabulary shards (a ``DTensor``) and the script's
+    #: ``F.cross_entropy`` runs on them (needs ``tensor_parallel`` > 1).
+    loss_parallel: bool = False
     #: Which layers split how (module-name patterns -> ``colwise``/``rowwise``/``replicate``); None: the
     #: model's own ``tp_plan``, else the default plan (:mod:`parallelx.tensor_parallel.plan`).
     tp_plan: Mapping[str, str] | None = None
@@ -175,9 +178,15 @@ class Run:
         self.cpu_offload = bool(options.cpu_offload)
         self.tensor_parallel_size = int(options.tensor_parallel)
         self.sequence_parallel = bool(options.sequence_parallel)
+        self.loss_parallel = bool(options.loss_parallel)
         self.tp_plan = dict(options.tp_plan) if options.tp_plan else None
         if self.tensor_parallel_size < 1:
             raise ParallelxError(f"{name}: tensor_parallel must be at least 1, got {options.tensor_parallel}")
+        if self.loss_parallel and self.tensor_parallel_size == 1:
+            raise ParallelxError(
+                f"{name}: --loss-parallel computes the loss on the output head's vocabulary shards: it needs "
+                "--tensor-parallel N (N > 1)"
+            )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ParallelxError(
                 f"{name}: --sequence-parallel shards the activations between tensor-parallel layers: it needs "

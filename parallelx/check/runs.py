@@ -140,7 +140,7 @@ def default_backends() -> list[str]:
 
 
 #: The options that split layers: the reference (one process) runs the script without them.
-TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel", "--sequence-parallel")
+TENSOR_PARALLEL_OPTIONS = ("--tensor-parallel", "--sequence-parallel", "--loss-parallel")
 
 
 def tensor_parallel_degree(target: Sequence[str]) -> int:
@@ -167,7 +167,7 @@ def without_tensor_parallel(target: Sequence[str]) -> list[str]:
         if arg == "--tensor-parallel":
             skip = True
             continue
-        if arg == "--sequence-parallel" or any(arg.startswith(f"{o}=") for o in TENSOR_PARALLEL_OPTIONS):
+        if arg in TENSOR_PARALLEL_OPTIONS[1:] or any(arg.startswith(f"{o}=") for o in TENSOR_PARALLEL_OPTIONS):
             continue
         out.append(arg)
     return out

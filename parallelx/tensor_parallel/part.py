@@ -17,6 +17,7 @@ norm (a split gradient's squares summed over the group, a whole one counted once
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -68,6 +69,9 @@ class ColwiseLinear(nn.Linear):
         elif getattr(self, "gathers", False):  # a layer straight inside a block: it gathers for itself
             x = comm.gather_sequence(x, self.tp_group)
         y = F.linear(x, self.weight, self.bias)
+        shards = getattr(self, "shards_output", None)
+        if shards is not None:  # --loss-parallel: the logits stay in vocabulary shards, a DTensor
+            return shards(y)
         if getattr(self, "gathers_output", False):  # the output head: the script's loss sees whole logits
             y = comm.join_sequence(y, self.tp_group, dim=-1)
         return y
@@ -126,9 +130,20 @@ class Layout:
 class TensorParallel:
     """Applies plans over ``mesh``'s tensor-parallel group and remembers the split parameters."""
 
-    def __init__(self, mesh: Mesh, *, sequence_parallel: bool = False, plan: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        sequence_parallel: bool = False,
+        plan: Mapping[str, str] | None = None,
+        loss_parallel: bool = False,
+    ) -> None:
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        #: torch's loss_parallel() while --loss-parallel's logits are in use (entered at the first split head).
+        self._loss_context: contextlib.ExitStack | None = None
+        self._device_mesh: Any = None
         self.given_plan = dict(plan) if plan else None
         #: Per model (the user's module), each split tensor's layout by name.
         self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, Layout]] = weakref.WeakKeyDictionary()
@@ -155,6 +170,11 @@ class TensorParallel:
         plan = find_plan(model, self.size, self.given_plan)
         if self.sequence_parallel:
             self._check_sequence_parallel(model, plan, who)
+        if self.loss_parallel and not any(split.gather for split in plan.splits.values()):
+            raise ParallelxError(
+                f"{who}: --loss-parallel computes the loss on the output head's vocabulary shards, and this model's "
+                f"plan splits no output head ({plan.describe(self.size)}); leave --loss-parallel out"
+            )
         modules = dict(model.named_modules())
         # A model on the meta device (parallelx.init_module(), or given a weight file by load_pretrained)
         # has no values yet: its split tensors are cut as shapes, and the backend's materialisation then
@@ -207,6 +227,8 @@ class TensorParallel:
             # Sequence parallelism is the blocks' business; the head reads the joined sequence.
             layer.sequence_parallel = self.sequence_parallel and split.in_blocks  # type: ignore[assignment]
             layer.gathers_output = split.gather  # type: ignore[assignment]
+            if split.gather and self.loss_parallel:
+                layer.shards_output = self._vocabulary_shards(device)
             layer.out_features = layer.weight.shape[0]
             layer.in_features = layer.weight.shape[1]
         for name, heads in plan.attention.items():
@@ -224,6 +246,34 @@ class TensorParallel:
                 f"parallelx: {who}: {plan.describe(size)}{', sequence parallel' if self.sequence_parallel else ''}"
             )
         return plan
+
+    # ------------------------------------------------------------ the loss on vocabulary shards
+    def _vocabulary_shards(self, device: torch.device) -> Any:
+        """What the output head returns under ``--loss-parallel``: its logits as torch's ``DTensor``
+        sharded along the vocabulary over the group, with torch's ``loss_parallel`` on from here to
+        the end of the run (its ``F.cross_entropy`` and the backward of it then work on the shards:
+        a max and a sum of exponentials all-reduced, never the whole logits)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        if self._device_mesh is None:
+            self._device_mesh = DeviceMesh.from_group(self.group, device.type)
+            self._loss_context = contextlib.ExitStack()
+            self._loss_context.enter_context(loss_parallel())
+        mesh = self._device_mesh
+
+        def shards(local: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False)
+
+        return shards
+
+    def close(self) -> None:
+        """The end of the run: torch's ``loss_parallel`` off again (it changes how every ``DTensor``
+        computes a cross-entropy, in this process)."""
+        if self._loss_context is not None:
+            self._loss_context.close()
+            self._loss_context = None
 
     def guard(self, model: nn.Module, timeout_s: float) -> None:
         """Every forward of a split model is a collective of its tensor-parallel group: before each, the

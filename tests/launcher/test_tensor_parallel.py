@@ -17,7 +17,9 @@ The checkpoints move: each launch resumes the one before it (another degree, ano
 continues one more window, which equals its own uninterrupted run within the floor.  And the rest
 of a script: a weight average (``parallelx.EMA``) whose checkpoint holds whole tensors,
 ``save_pretrained`` read back by ``transformers``, ``make_sampler`` / ``gather_in_order`` /
-``MetricSums`` by the data-parallel rank, activation checkpointing (one launch).  Models built on the
+``MetricSums`` by the data-parallel rank, activation checkpointing (one launch), the loss on the
+head's vocabulary shards (``--loss-parallel``: the fsdp 2D and the ZeRO-1 launches; the others compute
+it on the gathered logits).  Models built on the
 meta device (``parallelx.init_module()``) equal their eager builds, each rank computing only its
 slices, and a Hugging Face folder is read straight into the split layers: each rank reads the bytes
 it keeps and no more.
@@ -39,12 +41,17 @@ FACTOR = 4.0
 # name -> (backend, processes, options, the launch whose checkpoints it resumes); in order.
 LAUNCHES = {
     "ddp-tp2": ("ddp", 2, ["--tensor-parallel", "2"], None),
-    "fsdp-tp2xdp2-sp": ("fsdp", 4, ["--tensor-parallel", "2", "--sequence-parallel"], "ddp-tp2"),
+    "fsdp-tp2xdp2-sp": ("fsdp", 4, ["--tensor-parallel", "2", "--sequence-parallel", "--loss-parallel"], "ddp-tp2"),
     "ddp-tp2xdp2": ("ddp", 4, ["--tensor-parallel", "2", "--activation-checkpointing"], "fsdp-tp2xdp2-sp"),
     "fsdp-tp2": ("fsdp", 2, ["--tensor-parallel", "2"], "ddp-tp2xdp2"),
     "ddp-tp1": ("ddp", 2, [], "fsdp-tp2xdp2-sp"),  # a 2D checkpoint at tensor parallel 1
     "fsdp-tp2xdp2": ("fsdp", 4, ["--tensor-parallel", "2"], "ddp-tp2"),
-    "deepspeed-zero1-tp2": ("deepspeed", 2, ["--zero-stage", "1", "--tensor-parallel", "2"], "ddp-tp2"),
+    "deepspeed-zero1-tp2": (
+        "deepspeed",
+        2,
+        ["--zero-stage", "1", "--tensor-parallel", "2", "--loss-parallel"],
+        "ddp-tp2",
+    ),
     "deepspeed-zero2-tp2xdp2": ("deepspeed", 4, ["--zero-stage", "2", "--tensor-parallel", "2"], "fsdp-tp2xdp2-sp"),
 }
 QUICK = ("ddp-tp2", "fsdp-tp2xdp2-sp", "deepspeed-zero1-tp2")

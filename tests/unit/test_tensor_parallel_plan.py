@@ -142,11 +142,13 @@ def test_backends_without_tensor_parallelism_refuse_it_at_init_by_name(name: str
 
 def test_the_option_on_the_command_line_and_sequence_parallel_needs_it() -> None:
     parser = parallelx.add_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--backend", "fsdp", "--tensor-parallel", "2", "--sequence-parallel"])
+    args = parser.parse_args(["--backend", "fsdp", "--tensor-parallel", "2", "--sequence-parallel", "--loss-parallel"])
     backend = parallelx.from_args(args)
-    assert backend.run.tensor_parallel_size == 2 and backend.run.sequence_parallel
+    assert backend.run.tensor_parallel_size == 2 and backend.run.sequence_parallel and backend.run.loss_parallel
     with pytest.raises(ParallelxError, match="--sequence-parallel .* needs --tensor-parallel N"):
         parallelx.get_backend("fsdp", sequence_parallel=True)
+    with pytest.raises(ParallelxError, match="--loss-parallel .* vocabulary shards: it needs --tensor-parallel N"):
+        parallelx.get_backend("ddp", loss_parallel=True)
 
 
 def test_without_tensor_parallelism_the_mesh_is_the_world() -> None:
@@ -202,3 +204,16 @@ def test_the_estimate_counts_one_ranks_share_of_the_split_layers() -> None:
     split = sum(t.numel() for t in tensors.values())
     share = count_model(model, split_shares(model, plan, 2))
     assert share.numel == whole.numel - split // 2 and share.param_bytes == 4 * share.numel
+
+
+def test_loss_parallel_on_a_model_without_an_output_head_is_refused_before_anything_changes() -> None:
+    from collections import OrderedDict
+
+    from parallelx.tensor_parallel.part import TensorParallel
+
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(4, 8), act=nn.ReLU(), fc2=nn.Linear(8, 2)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    part = TensorParallel(Mesh(data_rank=0, data_size=1, tp_rank=0, tp_size=2), loss_parallel=True)
+    with pytest.raises(ParallelxError, match="--loss-parallel .* splits no output head .* leave --loss-parallel out"):
+        part.apply(model, torch.device("cpu"), "ddp")
+    assert type(model.fc1) is nn.Linear and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
