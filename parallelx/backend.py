@@ -72,7 +72,7 @@ from parallelx.tensor_parallel.checkpoints import TensorParallelStateIO
 from parallelx.tensor_parallel.part import TensorParallel
 from parallelx.transforms import activations, buffers
 from parallelx.transforms.compiling import CompileOptions, uncompiled
-from parallelx.utils import has_batchnorm
+from parallelx.utils import has_batchnorm, plain_tensor
 
 T = TypeVar("T")
 
@@ -614,7 +614,7 @@ class Backend:
         """Reduce ``tensor`` over all ranks into a new tensor on its device (the
         input is left unchanged); ``mean`` of an integer tensor is a float."""
         self._require_init()
-        return self.comm.all_reduce(tensor, op)
+        return self.comm.all_reduce(plain_tensor(tensor), op)
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
@@ -631,7 +631,7 @@ class Backend:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order; first
         dimensions may differ (a 0-dim tensor counts as ``[1]``).  A collective."""
         self._require_init()
-        return gather.gather_rows(self.comm, tensor)[0]
+        return gather.gather_rows(self.comm, plain_tensor(tensor))[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's (picklable) ``obj``, as a list indexed by rank.  A collective."""
@@ -644,7 +644,7 @@ class Backend:
         after the pass, before the next one starts.  A collective."""
         self._require_init()
         comm = self.mesh.data_comm or self.comm  # one tensor-parallel group's rows once
-        return gather.gather_in_order(comm, tensor, sampler)
+        return gather.gather_in_order(comm, plain_tensor(tensor), sampler)
 
     # ---------------------------------------------------- synchronised BatchNorm
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:

@@ -399,9 +399,9 @@ def add_arguments(
     model.add_argument(
         "--loss-parallel",
         action="store_true",
-        help="under --tensor-parallel, the output head's logits stay in vocabulary shards (a DTensor) and "
-        "F.cross_entropy runs on them: the logits' memory divided by N (anything else done with the logits "
-        "takes logits.full_tensor())",
+        help="under --tensor-parallel, a training forward's logits stay in vocabulary shards (a DTensor) and "
+        "F.cross_entropy runs on them: the logits' memory divided by N (evaluation and generation get them "
+        "whole; anything else done with a training forward's logits takes logits.full_tensor())",
     )
     _add_tracking(options)
     for name in names:

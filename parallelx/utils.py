@@ -56,3 +56,10 @@ class lazy_module:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(importlib.import_module(self._name), attr)
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: a ``DTensor`` (``--loss-parallel``'s logits and losses) as its whole
+    value, which parallelx's metrics and collectives then treat as any other tensor."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

@@ -70,7 +70,9 @@ class ColwiseLinear(nn.Linear):
             x = comm.gather_sequence(x, self.tp_group)
         y = F.linear(x, self.weight, self.bias)
         shards = getattr(self, "shards_output", None)
-        if shards is not None:  # --loss-parallel: the logits stay in vocabulary shards, a DTensor
+        if shards is not None and self.training and torch.is_grad_enabled():
+            # --loss-parallel: a training forward's logits stay in vocabulary shards, a DTensor, for the loss;
+            # evaluation and generation (eval mode or no_grad: no backward to keep them for) get them whole.
             return shards(y)
         if getattr(self, "gathers_output", False):  # the output head: the script's loss sees whole logits
             y = comm.join_sequence(y, self.tp_group, dim=-1)

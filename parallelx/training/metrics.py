@@ -32,6 +32,7 @@ import torch
 
 from parallelx.errors import ParallelxError
 from parallelx.parts.gather import all_gather_object
+from parallelx.utils import plain_tensor
 
 if TYPE_CHECKING:
     from parallelx.backend import Backend
@@ -73,7 +74,7 @@ class MetricSums:
     ) -> None:
         """Add one batch: ``per_sample_loss`` (float, shape [B]) and ``correct``
         (bool, [B]), or ``None`` for a loss-only metric."""
-        loss = per_sample_loss.detach().reshape(-1)
+        loss = plain_tensor(per_sample_loss.detach()).reshape(-1)  # --loss-parallel's losses are DTensors
         tracks = correct is not None
         if self.tracks_correct is not None and tracks != self.tracks_correct:
             raise ParallelxError(
@@ -81,7 +82,11 @@ class MetricSums:
                 + ("None before and is a tensor now" if tracks else "given before and is None now")
                 + "; pass correctness for every batch, or None for every batch (a loss-only metric)"
             )
-        ok = correct.detach().reshape(-1) if correct is not None else torch.zeros_like(loss, dtype=torch.int64)
+        ok = (
+            plain_tensor(correct.detach()).reshape(-1)
+            if correct is not None
+            else torch.zeros_like(loss, dtype=torch.int64)
+        )
         if loss.shape != ok.shape:
             raise ParallelxError(f"MetricSums.update: {loss.numel()} losses but {ok.numel()} correctness values")
         self.tracks_correct = tracks
