@@ -876,10 +876,9 @@ class Values:
             if spec is not None:  # one rank's slice: a file reads only its rows, or its rows' columns
                 return spec.read(lambda a, b, cols: source.rows(slot, a, b, cols), start, stop).to(slot.meta.dtype)
             return source.rows(slot, start, stop).to(slot.meta.dtype)
-        if spec is not None:
-            whole = self.recordings[id(slot)].values([spec.whole])[0]
+        whole = self.recordings[id(slot)].values([slot.meta if spec is None else spec.whole])[0]
+        if spec is not None:  # computed whole (a recording replays whole tensors), the slice kept
             return spec.read(lambda a, b, cols: whole[a:b, slice(*cols)] if cols else whole[a:b], start, stop).clone()
-        whole = self.recordings[id(slot)].values([slot.meta])[0]
         return whole if start is None and stop is None else whole[start:stop]
 
     def whole(self, slot: Slot) -> torch.Tensor:

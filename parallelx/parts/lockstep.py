@@ -89,14 +89,12 @@ class ForwardLockstep:
         self.why = why
         # Gloo on the CPU whatever the model's device: a few integers, apart from the model's own collectives.
         timeout = _dt.timedelta(seconds=timeout_s)
-        mine: dist.ProcessGroup | None = None
-        for ranks in groups or [list(range(dist.get_world_size()))]:
-            group = dist.new_group(ranks=ranks if groups else None, backend="gloo", timeout=timeout)
-            if rank in ranks:  # every rank makes every group (torch requires it) and keeps its own
-                assert isinstance(group, dist.ProcessGroup)
-                mine = group
-        assert mine is not None
-        self.group = mine
+        if groups:  # every rank makes every group (torch requires it) and keeps its own
+            group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")
+        else:
+            group = dist.new_group(backend="gloo", timeout=timeout)
+        assert isinstance(group, dist.ProcessGroup)  # this rank is in it
+        self.group = group
         self.count = 0
 
     def guard(self, model: torch.nn.Module) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from parallelx.errors import ParallelxError
 from parallelx.parts.collectives import Collectives
 
-__all__ = ["Mesh", "check_degree"]
+__all__ = ["Mesh", "check_degree", "tensor_parallel_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +68,9 @@ def check_degree(tensor_parallel: int, world_size: int, who: str) -> None:
             f"groups of {tensor_parallel}: give one of {', '.join(map(str, divisors))}, or start a multiple of "
             f"{tensor_parallel} processes"
         )
+
+
+def tensor_parallel_groups(world_size: int, tensor_parallel: int) -> list[list[int]]:
+    """The ranks of each tensor-parallel group, tensor-parallel innermost: rank = data_rank * N + tp_rank."""
+    n = tensor_parallel
+    return [list(range(d * n, d * n + n)) for d in range(world_size // n)]

@@ -23,7 +23,7 @@ from parallelx.launching.launchers import free_port
 from parallelx.log import warn
 from parallelx.parts import lockstep
 from parallelx.parts.collectives import Collectives, Watch, no_watch
-from parallelx.parts.mesh import Mesh, check_degree
+from parallelx.parts.mesh import Mesh, check_degree, tensor_parallel_groups
 from parallelx.strategy import Joined, Run, Strategy
 
 T = TypeVar("T")
@@ -320,7 +320,7 @@ def grid(run: Run, tp: int, dp_mesh: Any = None) -> Mesh:
     world = run.world
     check_degree(tp, world.world_size, run.name)
     dp = world.world_size // tp
-    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(d * tp, d * tp + tp)) for d in range(dp)])
+    tp_group, _ = dist.new_subgroups_by_enumeration(tensor_parallel_groups(world.world_size, tp))
     dp_group, _ = dist.new_subgroups_by_enumeration([list(range(t, world.world_size, tp)) for t in range(tp)])
     data_rank, tp_rank = divmod(world.rank, tp)
     data_comm = ProcessGroupCollectives(data_rank, dp, world.device, run.watch, run.timeout_s, group=dp_group)

@@ -35,7 +35,7 @@ from parallelx.bigmodels.meta import cut as cut_meta
 from parallelx.bigmodels.meta import has_meta
 from parallelx.errors import ParallelxError
 from parallelx.parts.lockstep import ForwardLockstep
-from parallelx.parts.mesh import Mesh
+from parallelx.parts.mesh import Mesh, tensor_parallel_groups
 from parallelx.tensor_parallel import comm
 from parallelx.tensor_parallel.plan import Plan, find_plan
 
@@ -149,8 +149,8 @@ class TensorParallel:
         self.given_plan = dict(plan) if plan else None
         #: Per model (the user's module), each split tensor's layout by name.
         self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, Layout]] = weakref.WeakKeyDictionary()
-        #: The split parameters as objects (ids), refreshed after an engine replaces them (:meth:`track`).
-        self._split_ids: set[int] = set()
+        #: The split parameters as objects (ids) and their layouts, refreshed after an engine replaces
+        #: them (:meth:`track`).
         self._layout_ids: dict[int, Layout] = {}
         #: Under sequence parallelism, the whole-kept parameters whose gradients are partial sums.
         self._partial: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
@@ -285,12 +285,11 @@ class TensorParallel:
         groups may run other forwards (a data-parallel rank evaluating alone).  A model an engine already
         checks over every rank (fsdp) is left to that check."""
         if self.lockstep is None:  # every rank wraps its models at the same point: the groups are made once
-            n, world = self.size, dist.get_world_size()
             self.lockstep = ForwardLockstep(
                 "tensor parallelism",
                 dist.get_rank(),
                 timeout_s,
-                groups=[list(range(d * n, d * n + n)) for d in range(world // n)],
+                groups=tensor_parallel_groups(self.mesh.data_size * self.size, self.size),
                 why="its split layers sum their pieces over the tensor-parallel ranks",
             )
         self.lockstep.guard(model)
@@ -301,7 +300,6 @@ class TensorParallel:
         partial = self._partial.get(model, set())
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in layouts:
-                self._split_ids.add(id(p))
                 self._layout_ids[id(p)] = layouts[name]
             if name in partial:
                 self._partial_ids.add(id(p))
@@ -321,7 +319,7 @@ class TensorParallel:
         return list(self._layouts.keys())
 
     def is_split(self, param: torch.Tensor) -> bool:
-        return id(param) in self._split_ids
+        return id(param) in self._layout_ids
 
     # ------------------------------------------------------------ the data
     def _same_batch_check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
