@@ -130,7 +130,13 @@ def test_the_degree_must_divide_the_world() -> None:
         check_degree(3, 4, "fsdp")
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "horovod"])
+NO_HOROVOD = pytest.mark.skipif(
+    parallelx.describe("horovod").unavailable_reason() is not None,
+    reason="Horovod is not installed here (make test's set-up leaves out its build; make setup builds it)",
+)
+
+
+@pytest.mark.parametrize("name", ["single", "dp", pytest.param("horovod", marks=NO_HOROVOD)])
 def test_backends_without_tensor_parallelism_refuse_it_at_init_by_name(name: str) -> None:
     backend = parallelx.get_backend(name, tensor_parallel=2, device="cpu", verbose=False)
     with pytest.raises(
