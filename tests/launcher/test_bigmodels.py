@@ -30,7 +30,7 @@ No tolerance: every comparison is ``torch.equal``.
 from __future__ import annotations
 
 import pytest
-from launching import backend_cases, in_make_test, worker_reports
+from launching import backend_cases, deepspeed_together, in_make_test, worker_reports
 
 CASES = backend_cases()
 #: The cases whose ranks keep a share of each parameter (and so read only that).
@@ -46,7 +46,9 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
     ids=list(CASES),
 )
 def reports(request, tmp_path_factory) -> list[dict]:
-    found = worker_reports(request.param, CASES, "bigmodels_worker.py", tmp_path_factory, timeout=500)
+    found = worker_reports(
+        request.param, CASES, "bigmodels_worker.py", tmp_path_factory, timeout=500, together=deepspeed_together(CASES)
+    )
     for rep in found:
         rep["case"] = request.param
     return found

@@ -21,7 +21,7 @@ average; the averages are elementwise and add no error of their own).
 from __future__ import annotations
 
 import pytest
-from launching import backend_cases, in_make_test, worker_reports
+from launching import backend_cases, deepspeed_together, in_make_test, worker_reports
 
 CASES = backend_cases()
 TOL = 1e-6
@@ -36,7 +36,9 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
     ids=list(CASES),
 )
 def reports(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    found = worker_reports(request.param, CASES, "ema_worker.py", tmp_path_factory, timeout=400)
+    found = worker_reports(
+        request.param, CASES, "ema_worker.py", tmp_path_factory, timeout=400, together=deepspeed_together(CASES)
+    )
     for rep in found:
         for case, result in rep.items():
             assert "error" not in result, (case, result["error"])

@@ -21,7 +21,7 @@ steps of SGD or Adam, on every backend.
 from __future__ import annotations
 
 import pytest
-from launching import backend_cases, in_make_test, worker_reports
+from launching import backend_cases, deepspeed_together, in_make_test, worker_reports
 
 CASES = backend_cases()
 TOL = 1e-6
@@ -33,7 +33,14 @@ pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 # ZeRO-0 stopped with the engines' own errors): the others are scenarios.
 @pytest.fixture(scope="module", params=in_make_test(CASES, "deepspeed-zero3"))
 def reports(request, tmp_path_factory) -> list[dict]:
-    found = worker_reports(request.param, CASES, "programs_worker.py", tmp_path_factory, timeout=400)
+    found = worker_reports(
+        request.param,
+        CASES,
+        "programs_worker.py",
+        tmp_path_factory,
+        timeout=400,
+        together=deepspeed_together(CASES, "deepspeed-zero3"),
+    )
     for rep in found:
         for case, result in rep.items():
             assert "error" not in result, (case, result["error"])

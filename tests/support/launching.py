@@ -94,6 +94,15 @@ def launch(
     return Result(done.returncode, done.output, done.seconds)
 
 
+def deepspeed_together(cases: Iterable[str], *quick: str) -> tuple[str, ...]:
+    """The DeepSpeed cases among ``cases`` that are not in ``quick`` (make test's): the scenarios'
+    stages, which share one launch (``worker_reports(..., together=...)``)."""
+    return tuple(c for c in cases if c.startswith("deepspeed-zero") and c not in quick)
+
+
+_SHARED_LAUNCHES: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+
 def worker_reports(
     case: str,
     cases: dict[str, tuple[str, str, list[str]]],
@@ -101,10 +110,33 @@ def worker_reports(
     tmp_path_factory: pytest.TempPathFactory,
     *,
     timeout: float,
+    together: tuple[str, ...] = (),
 ) -> list[dict]:
     """Launch ``tests/support/<worker>`` for ``case`` of ``cases`` (launcher, backend, extra
-    arguments) at 2 processes, and read back each rank's ``rank<r>.json`` from its ``--out``."""
+    arguments) at 2 processes, and read back each rank's ``rank<r>.json`` from its ``--out``.
+
+    ``together``: DeepSpeed cases (``--zero-stage S``) that share one launch, each stage in turn
+    (``--stages``, ``tests/support/worker_cases.py``), when ``case`` is one of them: made once per
+    session, ``timeout`` per stage."""
     launcher, backend, extra = cases[case]
+    if case in together:
+        key = (worker, together)
+        if key not in _SHARED_LAUNCHES:
+            require_launcher(launcher)
+            stages = [cases[c][2][cases[c][2].index("--zero-stage") + 1] for c in together]
+            rest = [a for c in together[:1] for a in cases[c][2]]
+            at = rest.index("--zero-stage")
+            rest = rest[:at] + rest[at + 2 :]
+            out = tmp_path_factory.mktemp(f"{Path(worker).stem}-zero{''.join(stages)}")
+            res = launch(
+                launcher,
+                [f"tests/support/{worker}", "--backend", backend, "--out", str(out), *rest, "--stages", *stages],
+                timeout=timeout * len(stages),
+            )
+            assert res.returncode == 0, f"{launcher} {worker} job of {', '.join(together)} failed:\n{res.tail(80)}"
+            _SHARED_LAUNCHES[key] = out
+        out = _SHARED_LAUNCHES[key] / f"zero{extra[extra.index('--zero-stage') + 1]}"
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     require_launcher(launcher)
     out = tmp_path_factory.mktemp(f"{Path(worker).stem}-{case}")
     res = launch(

@@ -1,6 +1,9 @@
 """The ``main`` of a worker that runs named cases on one backend under a real launcher: the
 programs, big-model and EMA workers' shared loop (``--out``, ``--cases``, each rank's report in
-``<out>/rank<r>.json``, each case's time in it)."""
+``<out>/rank<r>.json``, each case's time in it).  Under DeepSpeed, ``--stages 0 1 2`` runs the cases at
+each of those ZeRO stages in turn, into ``<out>/zero<S>/``, in one launch: one process group, made
+first, which each stage's backend adopts and leaves (one DeepSpeed start, its import and launcher
+included, serves every stage: the tests' time, not their checks)."""
 
 from __future__ import annotations
 
@@ -25,22 +28,41 @@ def run_cases(worker: str, cases: Mapping[str, Case], *, refusals_reported: bool
     parallelx.add_arguments(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", default=",".join(cases))
+    p.add_argument("--stages", type=int, nargs="+", help="under deepspeed: each of these ZeRO stages in turn")
     args, _ = p.parse_known_args()
-    backend = parallelx.from_args(args)
+    if args.stages is None:
+        return _run(worker, cases, args, args.out, refusals_reported)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    for stage in args.stages:
+        _run(worker, cases, args, args.out / f"zero{stage}", refusals_reported, zero_stage=stage)
+    return 0
+
+
+def _run(
+    worker: str,
+    cases: Mapping[str, Case],
+    args: argparse.Namespace,
+    out: Path,
+    refusals_reported: bool,
+    **options: Any,
+) -> int:
+    backend = parallelx.from_args(args, **options)
     backend.init()
     report: dict[str, Any] = {}
     for name in args.cases.split(","):
         start = time.monotonic()
-        (args.out / name).mkdir(parents=True, exist_ok=True)
+        (out / name).mkdir(parents=True, exist_ok=True)
         try:
-            report[name] = cases[name](backend, args.out / name)
+            report[name] = cases[name](backend, out / name)
         except ParallelxError as exc:
             if not refusals_reported:
                 raise
             report[name] = {"error": str(exc)}
         report[name]["seconds"] = round(time.monotonic() - start, 2)
         print(f"{worker}: rank {backend.rank}: {name}: {report[name]}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(report, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{backend.rank}.json").write_text(json.dumps(report, indent=1))
     backend.shutdown()
     return 0
