@@ -25,6 +25,7 @@ from torch import nn
 
 import parallelx
 from parallelx.errors import ParallelxError
+from worker_cases import add_stages, stage_runs
 
 #: run -> (wire type, loss scale)
 RUNS = {
@@ -62,8 +63,16 @@ def main() -> int:
     p = argparse.ArgumentParser()
     parallelx.add_arguments(p)
     p.add_argument("--out", type=Path, required=True)
+    add_stages(p)
     args, _ = p.parse_known_args()
-    backend = parallelx.from_args(args)
+    for out, options in stage_runs(args):
+        run(args, out, **options)
+    return 0
+
+
+def run(args: argparse.Namespace, out: Path, **options: int) -> None:
+    """Every run of :data:`RUNS` on one backend, into ``out``."""
+    backend = parallelx.from_args(args, **options)
     backend.init()
     report: dict[str, Any] = {}
     for name, (wire, scale) in RUNS.items():
@@ -74,13 +83,11 @@ def main() -> int:
             report[name] = {"error": str(exc)}
             continue
         if backend.rank == 0:
-            torch.save(weights, args.out / f"{name}.pt")
+            torch.save(weights, out / f"{name}.pt")
         report[name] = {"weights": f"{name}.pt"}
     if backend.rank == 0:
-        (args.out / "report.json").write_text(json.dumps(report, indent=1))
+        (out / "report.json").write_text(json.dumps(report, indent=1))
     backend.shutdown()
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(parallelx.exit_on_error(main)())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,30 @@ def run_cases(worker: str, cases: Mapping[str, Case], *, refusals_reported: bool
     parallelx.add_arguments(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", default=",".join(cases))
-    p.add_argument("--stages", type=int, nargs="+", help="under deepspeed: each of these ZeRO stages in turn")
+    add_stages(p)
     args, _ = p.parse_known_args()
+    for out, options in stage_runs(args):
+        _run(worker, cases, args, out, refusals_reported, **options)
+    return 0
+
+
+def add_stages(parser: argparse.ArgumentParser) -> None:
+    """The ``--stages`` option (see the module's docstring)."""
+    parser.add_argument("--stages", type=int, nargs="+", help="under deepspeed: each of these ZeRO stages in turn")
+
+
+def stage_runs(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, int]]]:
+    """``(out folder, backend options)`` of each run of the launch: one into ``--out``, or, with
+    ``--stages``, one per ZeRO stage into ``<out>/zero<S>``, in a process group made first."""
     if args.stages is None:
-        return _run(worker, cases, args, args.out, refusals_reported)
+        yield args.out, {}
+        return
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     for stage in args.stages:
-        _run(worker, cases, args, args.out / f"zero{stage}", refusals_reported, zero_stage=stage)
-    return 0
+        (args.out / f"zero{stage}").mkdir(parents=True, exist_ok=True)
+        yield args.out / f"zero{stage}", {"zero_stage": stage}
 
 
 def _run(

@@ -1,6 +1,6 @@
 """Gradients compressed on the wire (``--grad-compression fp16|bf16``) under every backend's
-real launcher (``tests/support/compression_worker.py``: one launch per backend case, every
-wire type in it), against ddp's weights with the same wire type.
+real launcher (``tests/support/compression_worker.py``: one launch per backend case, DeepSpeed's stages
+sharing one, every wire type in it), against ddp's weights with the same wire type.
 
 Each engine rounds the compressed all-reduce its own way (where the cast happens, whether it
 divides by the world size before or after the sum, in which type), so the backends do not
@@ -26,7 +26,7 @@ import json
 
 import pytest
 import torch
-from launching import backend_cases, launch, require_launcher
+from launching import backend_cases, deepspeed_together, launch, require_launcher
 
 CASES = backend_cases()
 FLOOR = 1e-6
@@ -40,6 +40,8 @@ DDP_BITS = {"deepspeed-zero3", "fsdp"}
 pytestmark = [pytest.mark.launcher, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 _RESULTS: dict[str, dict] = {}
+#: DeepSpeed's stages, which share one launch.
+STAGES = deepspeed_together(CASES)
 
 
 def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -47,22 +49,28 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def run_case(case: str, tmp_path_factory) -> dict:
-    """One launch of ``case``: per run, the weights or the backend's refusal (kept for the module)."""
+    """One launch of ``case`` (DeepSpeed's stages share one, ``--stages``): per run, the weights or the
+    backend's refusal (kept for the module)."""
     if case not in _RESULTS:
         launcher, backend, extra = CASES[case]
         require_launcher(launcher)
-        out = tmp_path_factory.mktemp(f"compression-{case}")
+        shared = case in STAGES
+        out = tmp_path_factory.mktemp(f"compression-{'deepspeed' if shared else case}")
+        if shared:
+            extra = ["--stages", *(CASES[c][2][-1] for c in STAGES)]
         res = launch(
             launcher,
             ["tests/support/compression_worker.py", "--backend", backend, "--out", str(out), *extra],
-            timeout=400,
+            timeout=400 * (len(STAGES) if shared else 1),
         )
         assert res.returncode == 0, f"{case}:\n{res.tail(60)}"
-        report = json.loads((out / "report.json").read_text())
-        _RESULTS[case] = {
-            run: entry.get("error") or torch.load(out / entry["weights"], weights_only=True)
-            for run, entry in report.items()
-        }
+        for name in STAGES if shared else (case,):
+            folder = out / f"zero{CASES[name][2][-1]}" if shared else out
+            report = json.loads((folder / "report.json").read_text())
+            _RESULTS[name] = {
+                run: entry.get("error") or torch.load(folder / entry["weights"], weights_only=True)
+                for run, entry in report.items()
+            }
     return _RESULTS[case]
 
 
