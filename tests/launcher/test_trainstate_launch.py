@@ -27,10 +27,10 @@ REL_TOL = 1e-6
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 
 
-def run_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_case(name: str, tmp_path_factory: pytest.TempPathFactory, *, continued: bool = True) -> Path:
     """The trainstate section of the case's one core launch (tests/support/core_runs.py), in which ddp
     continues ZeRO-3's checkpoint and ZeRO-2 continues ddp's (scattered into its shards)."""
-    return core_run(name, tmp_path_factory)[0] / "trainstate"
+    return core_run(name, tmp_path_factory, continued=continued)[0] / "trainstate"
 
 
 @pytest.fixture(params=core_cases())
@@ -63,7 +63,7 @@ def test_optimizer_state_is_whole_and_matches_ddp(case, optim, tmp_path_factory)
     name, out = case
     state = torch.load(out / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
     reference = torch.load(
-        run_case("ddp", tmp_path_factory) / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True
+        run_case("ddp", tmp_path_factory, continued=False) / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True
     )
     opt, ref = state["optimizer"], reference["optimizer"]
     names = list(state["model"])
@@ -105,7 +105,7 @@ def test_zero3_checkpoint_loads_into_ddp(optim, tmp_path_factory):
 def test_ddp_checkpoint_loads_into_zero2(optim, tmp_path_factory):
     out = run_case("deepspeed-zero2", tmp_path_factory)
     cross = torch.load(out / f"cross-{optim}.pt", weights_only=True)
-    ddp = torch.load(run_case("ddp", tmp_path_factory) / f"result-{optim}.pt", weights_only=True)
+    ddp = torch.load(run_case("ddp", tmp_path_factory, continued=False) / f"result-{optim}.pt", weights_only=True)
     assert cross["info"]["meta"]["backend"] == "ddp"
     assert cross["loaded_model_diff"] == 0.0 and cross["loaded_optimizer_diff"] == 0.0
     assert torch.equal(cross["rng_C"], ddp["rng_B"]), "the RNG continues as it did under ddp"

@@ -116,7 +116,7 @@ def test_rank0_only_forward(job):
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_final_weights_against_ddp(job, precision, tmp_path_factory):
-    ddp = core_run("ddp", tmp_path_factory)[0] / "transformer"
+    ddp = core_run("ddp", tmp_path_factory, continued=False)[0] / "transformer"
     ref = torch.load(ddp / f"grads-{precision}-rank0.pt", weights_only=True)
     for r in range(2):
         got = torch.load(job["out"] / f"grads-{precision}-rank{r}.pt", weights_only=True)
@@ -146,7 +146,7 @@ def test_grid_on_the_gpt_same_update_as_one_process(job):
 
 def test_grid_on_the_gpt_against_ddp(job, tmp_path_factory):
     """ddp's bits where the backend reduces each window once (and on ZeRO 2 and 3 without accumulation)."""
-    ddp = core_run("ddp", tmp_path_factory)[0] / "transformer"
+    ddp = core_run("ddp", tmp_path_factory, continued=False)[0] / "transformer"
     ref = torch.load(ddp / "grid-rank0.pt", weights_only=True)
     mine = torch.load(job["out"] / "grid-rank0.pt", weights_only=True)
     for name, case in job["reports"][0]["grid"].items():
