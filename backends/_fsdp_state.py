@@ -15,7 +15,6 @@ Not a backend (the leading underscore): the registry names its modules explicitl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -25,11 +24,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from parallelx import storage
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
 from parallelx.bigmodels.meta import Values, forget
+from parallelx.checkpoints import sharded
 from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
 from parallelx.parts.stateio import keyed_like, named_parameters, plain_key, plain_keys
+from parallelx.storage import Location
 
 
 def full(value: Any) -> Any:
@@ -178,14 +180,14 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 
 def load_sharded_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, param_groups: list[dict[str, Any]]
+    module: nn.Module, optimizer: torch.optim.Optimizer, directory: Location, param_groups: list[dict[str, Any]]
 ) -> None:
     """Read this rank's slices of a sharded checkpoint (written at any world
     size: torch.distributed.checkpoint cuts the saved shards anew) straight
-    into the model's and the optimizer's shards.  A collective."""
+    into the model's and the optimizer's shards, from a local folder or a store.  A collective."""
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    saved = sharded.reader(directory).read_metadata().state_dict_metadata
     params = dict(module.named_parameters())
     # The optimizer may have no state yet (it is made at the first step): a
     # template from the file's own index, shaped as the parameters' shards.
@@ -197,11 +199,13 @@ def load_sharded_state(
         p = params.get(name)
         if p is None:
             raise ParallelxError(
-                f"fsdp: the sharded checkpoint {directory} holds optimizer state for {name}, "
+                f"fsdp: the sharded checkpoint {storage.show(directory)} holds optimizer state for {name}, "
                 "which this model does not have"
             )
         if not isinstance(meta, TensorStorageMetadata):
-            raise ParallelxError(f"fsdp: the sharded checkpoint {directory} holds {key} as bytes, not a tensor")
+            raise ParallelxError(
+                f"fsdp: the sharded checkpoint {storage.show(directory)} holds {key} as bytes, not a tensor"
+            )
         dtype = meta.properties.dtype
         if tuple(meta.size) == tuple(p.shape):
             template.setdefault(name, {})[field] = torch.zeros_like(p, dtype=dtype)
@@ -209,7 +213,7 @@ def load_sharded_state(
             template.setdefault(name, {})[field] = torch.zeros(tuple(meta.size), dtype=dtype)
     model_sd = plain_keys(module.state_dict())
     target = {"model": model_sd, "optimizer": {"state": template}}
-    dcp.load(target, checkpoint_id=str(directory))
+    dcp.load(target, storage_reader=sharded.reader(directory))
     set_model_state_dict(module, keyed_like(model_sd, module), options=StateDictOptions(full_state_dict=False))
     load_named_state(module, optimizer, {"state": template, "param_groups": param_groups})
 

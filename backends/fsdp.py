@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +75,7 @@ from parallelx.parts.precision import Precision
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.state import named_from_indexed
 from parallelx.parts.stateio import StateIO, Unwrap
+from parallelx.storage import Location
 from parallelx.strategies.process_group import ProcessGroupStrategy, grid
 from parallelx.strategy import BackendSpec, Joined, unwrap
 from parallelx.transforms.compiling import compile_in_place
@@ -207,7 +207,7 @@ class FSDPStateIO(StateIO):
         return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
     ) -> bool:
         fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, param_groups)
         return True

@@ -120,32 +120,46 @@ _filesystems: dict[str, Any] = {}
 def _filesystem(url: str) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it."""
     scheme = url.split("://", 1)[0].lower()
-    package, pip = _PACKAGES.get(scheme, ("fsspec", "pip install 'parallelx[s3]'"))
-    try:
-        import fsspec
-    except ImportError:
-        raise ParallelxError(f"{show(url)}: a URL needs the filesystem packages: {pip}") from None
+    _, pip = _PACKAGES.get(scheme, ("fsspec", "pip install 'parallelx[s3]'"))
     if scheme not in _filesystems:
-        options: dict[str, Any] = {}
-        if package == "s3fs":
-            try:
-                import s3fs  # noqa: F401
-            except ImportError:
-                raise ParallelxError(f"{show(url)}: an s3:// URL needs s3fs: {pip}") from None
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            if endpoint:
-                options["client_kwargs"] = {"endpoint_url": endpoint}
-            # A listing is read again each time: a checkpoint another rank (or run) just committed must show.
-            options["use_listings_cache"] = False
-        # Made anew (fsspec would hand back one made with the variables of an earlier call).
-        options["skip_instance_cache"] = True
+        options = filesystem_options(url)  # the packages' pip command where they are missing
+        import fsspec
+
         try:
             _filesystems[scheme] = fsspec.filesystem(scheme, **options)
         except (ImportError, ValueError) as exc:
             raise ParallelxError(
                 f"{show(url)}: no filesystem for {scheme}:// ({first_line(exc)}); install it: {pip}"
             ) from None
+    import fsspec
+
     return _filesystems[scheme], fsspec.core.strip_protocol(url)
+
+
+def filesystem_options(url: str) -> dict[str, Any]:
+    """The options parallelx makes ``url``'s fsspec filesystem with (for a library that makes its own,
+    as ``torch.distributed.checkpoint``'s ``FsspecReader`` does): the endpoint from the environment,
+    no listing cache, a filesystem made anew.  The credentials are the filesystem's own usual places."""
+    scheme = url.split("://", 1)[0].lower()
+    package, pip = _PACKAGES.get(scheme, ("fsspec", "pip install 'parallelx[s3]'"))
+    try:
+        import fsspec  # noqa: F401
+    except ImportError:
+        raise ParallelxError(f"{show(url)}: a URL needs the filesystem packages: {pip}") from None
+    options: dict[str, Any] = {}
+    if package == "s3fs":
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            raise ParallelxError(f"{show(url)}: an s3:// URL needs s3fs: {pip}") from None
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
+        # A listing is read again each time: a checkpoint another rank (or run) just committed must show.
+        options["use_listings_cache"] = False
+    # Made anew (fsspec would hand back one made with the variables of an earlier call).
+    options["skip_instance_cache"] = True
+    return options
 
 
 def _permanent(exc: BaseException) -> str | None:
@@ -333,6 +347,36 @@ def write(loc: Location, fill: Callable[[IO[bytes]], object], *, atomic: bool = 
         _call(loc, "writing", lambda: fs.pipe_file(path, data))
     except FileNotFoundError as exc:  # a missing bucket
         raise StoreError(f"writing {show(loc)} failed: {first_line(exc)} (does the bucket exist?)") from None
+
+
+def upload(source: Path, loc: Location) -> None:
+    """Copy the local file ``source`` to ``loc``, streamed (a store's multipart upload: a file of
+    gigabytes is never whole in memory), tried again on a transient failure as every call is."""
+    if isinstance(loc, Path):
+        atomic_write(loc, lambda out: _copy_file(source, out))
+        return
+    fs, path = _filesystem(loc)
+    try:
+        _call(loc, "uploading to", lambda: fs.put_file(str(source), path))
+    except FileNotFoundError as exc:  # a missing bucket
+        raise StoreError(f"uploading to {show(loc)} failed: {first_line(exc)} (does the bucket exist?)") from None
+
+
+def download(loc: Location, target: Path) -> None:
+    """Copy the file at ``loc`` to the local file ``target``, streamed."""
+    if isinstance(loc, Path):
+        shutil.copyfile(loc, target)
+        return
+    fs, path = _filesystem(loc)
+    try:
+        _call(loc, "downloading", lambda: fs.get_file(path, str(target)))
+    except FileNotFoundError:
+        raise ParallelxError(f"{show(loc)} does not exist") from None
+
+
+def _copy_file(source: Path, out: IO[bytes]) -> None:
+    with open(source, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 24)
 
 
 def save(obj: Any, loc: Location, *, atomic: bool = True) -> None:

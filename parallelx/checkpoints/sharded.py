@@ -12,20 +12,20 @@ directory, beside the usual files, and published with it in one rename::
 
 No process ever holds the whole model.  Loading cuts the saved shards anew
 for this world size: the sharding backend reads its own slices
-(``StateIO.load_sharded_state``); any other backend reads the whole tensors.
+(``StateIO.load_sharded_state``; from a store, only those byte ranges); any
+other backend reads the whole tensors.
 ``python -m parallelx convert-checkpoint SRC DST`` makes one portable file of
 a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -49,46 +49,90 @@ def write(shards: dict[str, Any], directory: Path) -> None:
     dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
 
 
+def stage(shards: dict[str, Any]) -> Path:
+    """Write this rank's shards into a local staging folder of its own (a collective, as
+    :func:`write`), for :func:`upload` to put in a store: the folder holding them."""
+    staging = Path(tempfile.mkdtemp(prefix="parallelx-shards-"))
+    try:
+        write(shards, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging / SHARDS
+
+
+def upload(staged: Path, folder: Location) -> None:
+    """Put the files :func:`stage` wrote (this rank's data file; rank 0's also the index) into
+    ``folder/shards`` in the store, then remove the staging folder."""
+    try:
+        for f in sorted(staged.iterdir()):
+            storage.upload(f, storage.join(folder, SHARDS, f.name))
+    finally:
+        shutil.rmtree(staged.parent, ignore_errors=True)
+
+
+def discard(staged: Path) -> None:
+    """Remove a staging folder :func:`stage` made whose upload will not happen."""
+    shutil.rmtree(staged.parent, ignore_errors=True)
+
+
+def reader(folder: Location) -> Any:
+    """``torch.distributed.checkpoint``'s reader of a DCP folder, local or in a store (fsspec, with
+    the store's settings: each read asks for the byte ranges it needs)."""
+    import torch.distributed.checkpoint as dcp
+
+    if isinstance(folder, Path):
+        return dcp.FileSystemReader(str(folder))
+    from torch.distributed.checkpoint import FsspecReader
+
+    return FsspecReader(folder, **storage.filesystem_options(folder))
+
+
 def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
     """What ``state.pt`` keeps of a sharded optimizer state: its param groups (the tensors are in the shards)."""
     return {"state": {}, "param_groups": shards["optimizer"]["param_groups"]}
 
 
-def read_whole(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_whole(directory: Location) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's and the optimizer's whole tensors from ``directory/shards``
     (written at any world size), on the CPU, read by this process alone."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    folder = directory / SHARDS
-    if not (folder / ".metadata").is_file():
-        raise ParallelxError(f"{directory} is not a sharded checkpoint (no {SHARDS}/.metadata)")
-    # torch's own conversion (whole tensors from the shards' index), through a temporary file.
+    folder = storage.join(directory, SHARDS)
+    if not storage.is_file(storage.join(folder, ".metadata")):
+        raise ParallelxError(f"{storage.show(directory)} is not a sharded checkpoint (no {SHARDS}/.metadata)")
+    # torch's own conversion (whole tensors from the shards' index), through a temporary file; the
+    # shards of a checkpoint in a store are downloaded beside it first (every one is read whole).
     with tempfile.TemporaryDirectory(prefix="parallelx-whole-") as tmp:
+        if not isinstance(folder, Path):
+            local = Path(tmp) / SHARDS
+            local.mkdir()
+            for f in storage.listdir(folder):
+                storage.download(storage.join(folder, f), local / f)
+            folder = local
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(folder, whole)
         state = torch.load(whole, map_location="cpu", weights_only=True)
     return state["model"], state.get("optimizer", {}).get("state", {})
 
 
-def saved_keys(directory: Path) -> set[str]:
+def saved_keys(directory: Location) -> set[str]:
     """The model's state-dict keys in a sharded checkpoint, from its index alone."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(directory / SHARDS)).read_metadata()
+    meta = reader(storage.join(directory, SHARDS)).read_metadata()
     return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
-def load(io: StateIO, path: Path, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
+def load(io: StateIO, path: Location, model: Any, optimizer: Any, saved_optimizer: dict[str, Any]) -> None:
     """Load a sharded checkpoint's model and optimizer state through a backend's
     state part: its own slices where it shards, else the whole tensors.  Every rank calls it."""
     live = {plain_key(k) for k in io.unwrap(model).state_dict()}
     keys = saved_keys(path)
     if keys != live:
         raise ParallelxError(
-            f"checkpoint {path} is of another model: not saved {sorted(live - keys)[:3]}, not in "
+            f"checkpoint {storage.show(path)} is of another model: not saved {sorted(live - keys)[:3]}, not in "
             f"this model {sorted(keys - live)[:3]}"
         )
-    if io.load_sharded_state(model, optimizer, path / SHARDS, saved_optimizer["param_groups"]):
+    if io.load_sharded_state(model, optimizer, storage.join(path, SHARDS), saved_optimizer["param_groups"]):
         return
     weights, optim = read_whole(path)
     io.load_model_state_dict(model, weights)
@@ -107,18 +151,12 @@ def convert(state_file: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
             f"{storage.show(folder)} is not a sharded checkpoint: its {storage.name(storage.location(state_file))} "
             "already is the portable file"
         )
-    assert isinstance(folder, Path)  # DCP shards are only ever written to a local disk
     weights, optim = read_whole(folder)
     state["model"] = weights
     state["optimizer"] = {**state["optimizer"], "state": optim}
     state["meta"] = {**state["meta"], "sharded": False}
     checkpoint.atomic_save(state, dst)
     return storage.location(dst)
-
-
-def _copy_into(source: Path, out: IO[bytes]) -> None:
-    with open(source, "rb") as f:
-        shutil.copyfileobj(f, out, 1 << 24)
 
 
 def convert_to_safetensors(
@@ -135,7 +173,7 @@ def convert_to_safetensors(
         with tempfile.TemporaryDirectory(prefix="parallelx-convert-") as staging:
             written = convert_to_safetensors(state_file, staging, max_shard_size=max_shard_size)
             for f in sorted(Path(staging).iterdir()):  # the weight files, then the index where there is one
-                storage.write(storage.join(target, f.name), functools.partial(_copy_into, f))
+                storage.upload(f, storage.join(target, f.name))
             return [storage.join(target, storage.name(f)) for f in written]
     state = checkpoint.load(state_file)
     if not isinstance(state, dict) or "model" not in state:
@@ -149,13 +187,11 @@ def convert_to_safetensors(
                 Layout(tensors, whole_pieces), dst, rank=0, barrier=lambda: None, max_shard_size=max_shard_size
             )
         )
-    path = storage.parent(storage.location(state_file))
-    assert isinstance(path, Path)  # DCP shards are only ever written to a local disk
+    shards = storage.join(storage.parent(storage.location(state_file)), SHARDS)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(path / SHARDS))
-    meta = reader.read_metadata().state_dict_metadata
+    meta = reader(shards).read_metadata().state_dict_metadata
     keys = [k for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)]
     infos = {k: meta[k] for k in keys}
     tensors = [
@@ -166,7 +202,7 @@ def convert_to_safetensors(
     def read_pieces() -> Iterator[Piece]:
         for k, info in zip(keys, tensors, strict=True):
             one = {k: torch.empty(info.shape, dtype=info.dtype)}
-            dcp.load(one, storage_reader=dcp.FileSystemReader(str(path / SHARDS)), no_dist=True)
+            dcp.load(one, storage_reader=reader(shards), no_dist=True)
             yield Piece(info.name, 0, one[k].reshape(-1))
 
     return list(

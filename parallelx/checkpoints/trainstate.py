@@ -265,8 +265,9 @@ def save_training_state(
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
 
-    if asynchronous and shards:
+    if asynchronous and shards and not isinstance(root, str):
         # DCP's writes are collectives of their own, which a background thread cannot run beside the training's.
+        # (To a store, the shards are staged on the local disk now and uploaded in the background.)
         log.warn(
             "--checkpoint-async: sharded checkpoints (--fsdp-sharded-checkpoints) are written before the step "
             "goes on; the whole-tensor checkpoints are the ones written in the background"
@@ -284,13 +285,25 @@ def save_training_state(
         _agree(backend, staged)
 
     if isinstance(root, str):
-        if shards:  # the same on every rank: no rank is left in a collective
-            raise ParallelxError(
-                f"sharded training-state checkpoints are written to a local folder, not to {storage.show(root)} "
-                "yet: give a local --out-dir, or leave --fsdp-sharded-checkpoints out"
-            )
+        # Every rank's shards into a local staging folder of its own (DCP's collective), for the upload.
+        staged: dict[str, Path] = {}
+        mine = None
+        try:
+            for key, found in shards.items():
+                staged[key] = sharded.stage(found)
+        except Exception as exc:  # a full staging disk: on every rank, the previous checkpoint stays the latest
+            mine = f"staging the sharded checkpoint failed on rank {backend.rank}: {first_line(exc)}"
+        try:
+            _agree(backend, mine)
+        except ParallelxError:
+            for folder in staged.values():
+                sharded.discard(folder)
+            raise
+        uploads = {
+            f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}": f for key, f in staged.items()
+        }
         # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
-        return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous)
+        return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous, uploads)
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -442,9 +455,7 @@ def load_training_state(
         for name, m in parts.models.items():
             mine = [o for o, owner in parts.pairs.items() if owner == name]
             if name in saved.sharded:  # the backend's own slices of the shards, or the whole tensors
-                if not isinstance(path, Path):
-                    raise ParallelxError(f"checkpoint {path}: sharded checkpoints load from a local folder only")
-                where = path / PARTS_DIR / name if parts.named else path
+                where = storage.join(path, PARTS_DIR, name) if parts.named else path
                 sharded.load(backend.state_io, where, m, parts.optimizers[mine[0]], saved.optimizers[mine[0]])
                 continue
             _check_model(path, saved.models[name], m, backend)
@@ -696,10 +707,12 @@ def _save_to_store(
     keep: int,
     step: int,
     asynchronous: bool,
+    staged: dict[str, Path],
 ) -> str:
     """Write a checkpoint into an object store, which has no rename: every rank puts its files
-    under the final name, and rank 0 writes the commit record once all have, then ``latest``.
-    Until then no reader takes it (:func:`is_complete`), and a crash leaves it incomplete."""
+    under the final name (its staged shards first: folder in the store -> local staging folder),
+    and rank 0 writes the commit record once all have, then ``latest``.  Until then no reader
+    takes it (:func:`is_complete`), and a crash leaves it incomplete."""
     final = f"{root}/{name}"
     error = None
     if backend.is_main():
@@ -712,9 +725,13 @@ def _save_to_store(
             error = str(exc)
     error = backend.broadcast(error, src=0)
     if error is not None:
+        for local in staged.values():
+            sharded.discard(local)
         raise ParallelxError(error)
 
     def write_files() -> None:
+        for folder, local in staged.items():
+            sharded.upload(local, folder)
         storage.save(plain(rng), f"{final}/rng-rank{backend.rank}.pt")
         if state is not None:
             storage.save(plain(state), f"{final}/{STATE_FILE}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
 from parallelx.parts.state import to_cpu
+from parallelx.storage import Location
 
 #: The prefix ``torch.compile`` gives the keys of a compiled module (its ``OptimizedModule._orig_mod``).
 COMPILED_PREFIX = "_orig_mod."
@@ -160,7 +160,7 @@ class StateIO:
         return None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
     ) -> bool:
         """Read this rank's own slices of a sharded checkpoint's ``directory``
         straight into ``model`` and ``optimizer`` (a collective); False: the

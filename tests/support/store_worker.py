@@ -5,7 +5,8 @@ A: train SAVE_AT steps, save to ``--url`` (every step, keep 2), train MORE.  B:
 fresh objects (other initial weights), the latest complete checkpoint found in
 the store as ``--resume auto`` finds it, MORE steps: A == B bitwise.  Also
 ``backend.save`` / ``backend.load`` of the weights through the same URL, and
-``save_pretrained`` into it (``URL/hf``).
+``save_pretrained`` into it (``URL/hf``).  ``--background``: the saves in the background (each
+rank stages its files, sharded or not, then uploads them while the training goes on).
 Rank 0 writes ``result.pt`` into the local ``--out``.
 """
 
@@ -27,6 +28,7 @@ def main() -> None:
     parallelx.add_arguments(parser)
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--background", action="store_true", help="the saves in the background")
     args = parser.parse_args()
     backend = parallelx.from_args(args)
     with backend:
@@ -34,7 +36,9 @@ def main() -> None:
         saved = []
         for _ in range(SAVE_AT):
             a.train(1)
-            saved.append(str(a.save(args.url, keep=2)))
+            saved.append(str(a.save(args.url, keep=2, asynchronous=args.background)))
+        parallelx.wait_for_checkpoint(backend)
+        at_3 = a.weights()  # a collective under fsdp: on every rank
         a.train(MORE)
         # Every rank's pieces (fsdp: each rank's rows) meet in the store's files, 3 of them here.
         pretrained = parallelx.save_pretrained(backend, a.model, f"{args.url}/hf", max_shard_size="300B")
@@ -52,6 +56,7 @@ def main() -> None:
                     **weights,
                     "loaded": loaded,
                     "saved": saved,
+                    "at_3": at_3,
                     "found": str(found),
                     "step": info["counters"]["global_step"],
                     "world_size": backend.world_size,

@@ -18,6 +18,7 @@ from trainstate_worker import Run
 import parallelx
 from parallelx import ParallelxError, storage
 from parallelx.bigmodels.formats import INDEX
+from parallelx.checkpoints import sharded
 from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
 from recipes.models import GPT, GPTConfig
 
@@ -38,17 +39,25 @@ def _steps(store, bucket: str, prefix: str = "run/checkpoints/") -> dict[str, li
     return found
 
 
-# The one launch of make test (about 30 s); the rest of this file is a scenario but for two checks without a store.
+#: test id -> the worker's options.  fsdp-sharded: every rank uploads only its shards (DCP's files, staged
+#: on its local disk: the part of a save that blocks), in the background, and reads back only its slices.
+STORE_RUNS = {
+    "ddp": ["--backend", "ddp"],
+    "fsdp-sharded": ["--backend", "fsdp", "--fsdp-sharded-checkpoints", "--background"],
+}
+
+
+# The launches of make test (about 30 s each); the rest of this file is a scenario but for two checks without a store.
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["ddp", pytest.param("fsdp", marks=pytest.mark.scenario)])
+@pytest.mark.parametrize("name", list(STORE_RUNS))
 def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path, name):
     store, bucket = s3_env
     require_launcher("torchrun")
     url = f"s3://{bucket}/run"
     res = launch(
         "torchrun",
-        ["tests/support/store_worker.py", "--backend", name, "--url", url, "--out", str(tmp_path)],
+        ["tests/support/store_worker.py", *STORE_RUNS[name], "--url", url, "--out", str(tmp_path)],
         timeout=240,
         env=store.env(),
     )
@@ -67,8 +76,29 @@ def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path, na
     steps = _steps(store, bucket)
     # keep=2: the oldest complete one went; each one kept holds every rank's files and its commit record.
     assert sorted(steps) == ["step-00000002", "step-00000003"]
+    shards = ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"] if name == "fsdp-sharded" else []
     for files in steps.values():
-        assert sorted(files) == sorted([COMMIT, "rng-rank0.pt", "rng-rank1.pt", "state.pt"])
+        assert sorted(files) == sorted([COMMIT, "rng-rank0.pt", "rng-rank1.pt", "state.pt", *shards])
+    if name == "fsdp-sharded":  # each tensor is in the store as the two ranks' chunks, neither of them whole
+        index = sharded.reader(f"{url}/checkpoints/step-00000003/shards").read_metadata()
+        tensors = {
+            k: m
+            for k, m in index.state_dict_metadata.items()
+            if k.startswith(("model.", "optimizer.state.")) and not k.endswith(".step")  # AdamW's step: a scalar
+        }
+        assert len(tensors) == 3 * len(r["A"]), sorted(tensors)  # the weights, exp_avg, exp_avg_sq
+        for key, meta in tensors.items():
+            rows = [c.sizes[0] for c in meta.chunks]
+            assert len(rows) == 2 and sum(rows) == meta.size[0] and max(rows) < meta.size[0], (key, rows)
+        files = {i.relative_path for i in index.storage_data.values()}
+        assert files == {"__0_0.distcp", "__1_0.distcp"}
+    # Read back at world size 1 by a backend that does not shard (the whole tensors: read from the store's
+    # shards), and made one portable file by the command line's conversion: the weights of A's third step.
+    with parallelx.get_backend("single") as single:
+        c = Run(single, "adamw", init_seed=7, dropout=0.0, noise=False)
+        info = c.load(f"{url}/checkpoints/step-00000003")
+        assert info["counters"]["global_step"] == 3
+        assert all(torch.equal(c.weights()[k], r["at_3"][k]) for k in r["at_3"]), "a world of one read the store"
 
 
 @pytest.mark.scenario
