@@ -27,7 +27,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from parallelx import storage
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
 from parallelx.bigmodels.meta import Values, forget
-from parallelx.checkpoints import sharded
 from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
 from parallelx.parts.stateio import keyed_like, named_parameters, plain_key, plain_keys
@@ -187,7 +186,7 @@ def load_sharded_state(
     into the model's and the optimizer's shards, from a local folder or a store.  A collective."""
     import torch.distributed.checkpoint as dcp
 
-    saved = sharded.reader(directory).read_metadata().state_dict_metadata
+    saved = storage.dcp_reader(directory).read_metadata().state_dict_metadata
     params = dict(module.named_parameters())
     # The optimizer may have no state yet (it is made at the first step): a
     # template from the file's own index, shaped as the parameters' shards.
@@ -213,7 +212,7 @@ def load_sharded_state(
             template.setdefault(name, {})[field] = torch.zeros(tuple(meta.size), dtype=dtype)
     model_sd = plain_keys(module.state_dict())
     target = {"model": model_sd, "optimizer": {"state": template}}
-    dcp.load(target, storage_reader=sharded.reader(directory))
+    dcp.load(target, storage_reader=storage.dcp_reader(directory))
     set_model_state_dict(module, keyed_like(model_sd, module), options=StateDictOptions(full_state_dict=False))
     load_named_state(module, optimizer, {"state": template, "param_groups": param_groups})
 

@@ -374,6 +374,18 @@ def download(loc: Location, target: Path) -> None:
         raise ParallelxError(f"{show(loc)} does not exist") from None
 
 
+def dcp_reader(folder: Location) -> Any:
+    """``torch.distributed.checkpoint``'s reader of a DCP folder, local or in a store (fsspec, made
+    with :func:`filesystem_options`: each read asks for the byte ranges it needs)."""
+    import torch.distributed.checkpoint as dcp
+
+    if isinstance(folder, Path):
+        return dcp.FileSystemReader(str(folder))
+    from torch.distributed.checkpoint import FsspecReader
+
+    return FsspecReader(folder, **filesystem_options(folder))
+
+
 def _copy_file(source: Path, out: IO[bytes]) -> None:
     with open(source, "rb") as f:
         shutil.copyfileobj(f, out, 1 << 24)

@@ -204,12 +204,11 @@ class _DcpFolder(Mapping[str, torch.Tensor]):
     files hold the writers' shards, not rows: each tensor is read whole (put together from every
     writer's shard), one at a time."""
 
-    def __init__(self, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+    def __init__(self, folder: Location) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.folder = folder
-        meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        meta = storage.dcp_reader(folder).read_metadata().state_dict_metadata
         tensors = {k: m for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
         model = {k[len("model.") :]: k for k in tensors if k.startswith("model.")}
         #: name -> (DCP's key, shape, dtype)
@@ -228,7 +227,7 @@ class _DcpFolder(Mapping[str, torch.Tensor]):
         one = {key: torch.empty(shape, dtype=dtype)}
         with warnings.catch_warnings():  # "... uninitialized, assuming ... a single process": asked for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(one, storage_reader=dcp.FileSystemReader(str(self.folder)), no_dist=True)
+            dcp.load(one, storage_reader=storage.dcp_reader(self.folder), no_dist=True)
         self._last = (name, one[key])
         return one[key]
 
@@ -240,7 +239,7 @@ class _DcpFolder(Mapping[str, torch.Tensor]):
 
 
 def _is_dcp(loc: Location) -> bool:
-    return isinstance(loc, Path) and (loc / ".metadata").is_file()
+    return (loc / ".metadata").is_file() if isinstance(loc, Path) else storage.is_file(storage.join(loc, ".metadata"))
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -268,19 +267,14 @@ def _listed(header: Mapping[str, Any], path: Location) -> dict[str, tuple[tuple[
 def open_weights(path: str | os.PathLike[str]) -> WeightFile:
     """The weights at ``path`` (a local path or a URL): a ``.safetensors`` file, a ``torch.save`` state
     dict, a Hugging Face model folder (sharded safetensors with ``model.safetensors.index.json``,
-    ``model.safetensors``, or ``pytorch_model.bin``), or (local) a ``torch.distributed.checkpoint``
-    folder (:class:`_DcpFolder`)."""
+    ``model.safetensors``, or ``pytorch_model.bin``), or a ``torch.distributed.checkpoint`` folder
+    (:class:`_DcpFolder`)."""
     loc = storage.location(path)
     files: list[Location]
     if _is_dcp(loc):
-        folder = _DcpFolder(loc)  # type: ignore[arg-type]
+        folder = _DcpFolder(loc)
         listed = {name: (loc, shape, dtype) for name, (_, shape, dtype) in folder.tensors.items()}
         return WeightFile(listed, _handles={loc: folder})
-    if not isinstance(loc, Path) and storage.is_file(storage.join(loc, ".metadata")):
-        raise ParallelxError(
-            f"{storage.show(loc)}: a torch.distributed.checkpoint folder is read from a local disk only; copy it "
-            "there first (or write the weights as safetensors: parallelx.save_pretrained, convert-checkpoint)"
-        )
     if storage.is_file(loc):
         files = [loc]
     elif storage.is_file(storage.join(loc, INDEX)):

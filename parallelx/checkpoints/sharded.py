@@ -76,18 +76,6 @@ def discard(staged: Path) -> None:
     shutil.rmtree(staged.parent, ignore_errors=True)
 
 
-def reader(folder: Location) -> Any:
-    """``torch.distributed.checkpoint``'s reader of a DCP folder, local or in a store (fsspec, with
-    the store's settings: each read asks for the byte ranges it needs)."""
-    import torch.distributed.checkpoint as dcp
-
-    if isinstance(folder, Path):
-        return dcp.FileSystemReader(str(folder))
-    from torch.distributed.checkpoint import FsspecReader
-
-    return FsspecReader(folder, **storage.filesystem_options(folder))
-
-
 def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
     """What ``state.pt`` keeps of a sharded optimizer state: its param groups (the tensors are in the shards)."""
     return {"state": {}, "param_groups": shards["optimizer"]["param_groups"]}
@@ -118,7 +106,7 @@ def read_whole(directory: Location) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 def saved_keys(directory: Location) -> set[str]:
     """The model's state-dict keys in a sharded checkpoint, from its index alone."""
-    meta = reader(storage.join(directory, SHARDS)).read_metadata()
+    meta = storage.dcp_reader(storage.join(directory, SHARDS)).read_metadata()
     return {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
 
 
@@ -191,7 +179,7 @@ def convert_to_safetensors(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = reader(shards).read_metadata().state_dict_metadata
+    meta = storage.dcp_reader(shards).read_metadata().state_dict_metadata
     keys = [k for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)]
     infos = {k: meta[k] for k in keys}
     tensors = [
@@ -202,7 +190,7 @@ def convert_to_safetensors(
     def read_pieces() -> Iterator[Piece]:
         for k, info in zip(keys, tensors, strict=True):
             one = {k: torch.empty(info.shape, dtype=info.dtype)}
-            dcp.load(one, storage_reader=reader(shards), no_dist=True)
+            dcp.load(one, storage_reader=storage.dcp_reader(shards), no_dist=True)
             yield Piece(info.name, 0, one[k].reshape(-1))
 
     return list(

@@ -63,7 +63,8 @@ def test_optimizer_state_is_whole_and_matches_ddp(case, optim, tmp_path_factory)
     name, out = case
     state = torch.load(out / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
     reference = torch.load(
-        run_case("ddp", tmp_path_factory, continued=False) / optim / "checkpoints" / "step-00000003" / "state.pt", weights_only=True
+        run_case("ddp", tmp_path_factory, continued=False) / optim / "checkpoints" / "step-00000003" / "state.pt",
+        weights_only=True,
     )
     opt, ref = state["optimizer"], reference["optimizer"]
     names = list(state["model"])

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from worker_cases import add_stages, stage_runs
 
 import parallelx
 from parallelx.errors import ParallelxError
-from worker_cases import add_stages, stage_runs
 
 #: run -> (wire type, loss scale)
 RUNS = {
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace, out: Path, **options: int) -> None:
     if backend.rank == 0:
         (out / "report.json").write_text(json.dumps(report, indent=1))
     backend.shutdown()
+
 
 if __name__ == "__main__":
     sys.exit(parallelx.exit_on_error(main)())

@@ -18,7 +18,6 @@ from trainstate_worker import Run
 import parallelx
 from parallelx import ParallelxError, storage
 from parallelx.bigmodels.formats import INDEX
-from parallelx.checkpoints import sharded
 from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
 from recipes.models import GPT, GPTConfig
 
@@ -80,7 +79,7 @@ def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path, na
     for files in steps.values():
         assert sorted(files) == sorted([COMMIT, "rng-rank0.pt", "rng-rank1.pt", "state.pt", *shards])
     if name == "fsdp-sharded":  # each tensor is in the store as the two ranks' chunks, neither of them whole
-        index = sharded.reader(f"{url}/checkpoints/step-00000003/shards").read_metadata()
+        index = storage.dcp_reader(f"{url}/checkpoints/step-00000003/shards").read_metadata()
         tensors = {
             k: m
             for k, m in index.state_dict_metadata.items()
@@ -242,8 +241,8 @@ def _upload(url: str, files: dict[str, bytes]) -> None:
 
 
 def test_pretrained_weights_load_from_the_store_reading_only_what_is_asked(s3_env, backend, tmp_path):
-    """``load_pretrained("s3://...")``: a Hugging Face folder of two safetensors shards and its index, and
-    a ``torch.save`` file, in the store; an eager model and one built under ``init_module`` (read at
+    """``load_pretrained("s3://...")``: a Hugging Face folder of two safetensors shards and its index, a
+    ``torch.save`` file and a ``torch.distributed.checkpoint`` folder, in the store; an eager model and one built under ``init_module`` (read at
     set-up) get the weights bit for bit; a tensor's rows are one ranged read of those bytes only; a URL
     with nothing there is one error naming it."""
     import json
@@ -269,8 +268,16 @@ def test_pretrained_weights_load_from_the_store_reading_only_what_is_asked(s3_en
     saved = tmp_path / "net.pt"
     torch.save(source, saved)
     _upload(f"s3://{bucket}/pretrained", {"net.pt": saved.read_bytes()})
+    # A plain torch.distributed.checkpoint folder (PyTorch's FSDP2 example's layout: the model's entries
+    # under "model."), written by DCP's own code and put in the store.
+    import torch.distributed.checkpoint as dcp
 
-    for url in (folder, f"s3://{bucket}/pretrained/net.pt"):
+    optim = {"state": {k: {"exp_avg": torch.ones_like(v)} for k, v in source.items()}}
+    dcp.save({"model": source, "optim": optim}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for f in (tmp_path / "dcp").iterdir():
+        storage.upload(f, f"s3://{bucket}/pretrained/dcp/{f.name}")
+
+    for url in (folder, f"s3://{bucket}/pretrained/net.pt", f"s3://{bucket}/pretrained/dcp"):
         torch.manual_seed(1)
         eager = net()
         weights = parallelx.load_pretrained(eager, url)
