@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from parallelx import storage
+from parallelx.bigmodels import deepspeed_files
 from parallelx.errors import ParallelxError
 from parallelx.storage import Location
 
@@ -267,8 +268,8 @@ def _listed(header: Mapping[str, Any], path: Location) -> dict[str, tuple[tuple[
 def open_weights(path: str | os.PathLike[str]) -> WeightFile:
     """The weights at ``path`` (a local path or a URL): a ``.safetensors`` file, a ``torch.save`` state
     dict, a Hugging Face model folder (sharded safetensors with ``model.safetensors.index.json``,
-    ``model.safetensors``, or ``pytorch_model.bin``), or a ``torch.distributed.checkpoint`` folder
-    (:class:`_DcpFolder`)."""
+    ``model.safetensors``, or ``pytorch_model.bin``), a ``torch.distributed.checkpoint`` folder
+    (:class:`_DcpFolder`), or a DeepSpeed checkpoint folder (:mod:`parallelx.bigmodels.deepspeed_files`)."""
     loc = storage.location(path)
     files: list[Location]
     if _is_dcp(loc):
@@ -284,10 +285,14 @@ def open_weights(path: str | os.PathLike[str]) -> WeightFile:
         files = [storage.join(loc, "model.safetensors")]
     elif storage.is_file(storage.join(loc, "pytorch_model.bin")):
         files = [storage.join(loc, "pytorch_model.bin")]
+    elif (step := deepspeed_files.tag_folder(loc)) is not None:  # put together whole, by DeepSpeed's own code
+        state = deepspeed_files.read(step)
+        listed = {name: (loc, tuple(v.shape), v.dtype) for name, v in state.items()}
+        return WeightFile(listed, _handles={loc: state})
     elif (isinstance(loc, Path) and loc.is_dir()) or storage.listdir(loc):
         raise ParallelxError(
             f"{storage.show(loc)}: no weights found (expected {INDEX}, model.safetensors or pytorch_model.bin in "
-            "the folder)"
+            "the folder, a torch.distributed.checkpoint folder or a DeepSpeed checkpoint folder)"
         )
     else:
         raise ParallelxError(f"{storage.show(loc)}: no such file or folder of weights")

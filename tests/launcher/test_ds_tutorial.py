@@ -137,6 +137,29 @@ def test_the_port_trains_the_originals_weights(case, tmp_path, tmp_path_factory,
             assert worst(resumed, final["model"]) == 0.0, f"{case}: resumed from the {form} state"
 
 
+@pytest.mark.scenario  # the stages' launch of the original without MoE is a scenario
+@pytest.mark.parametrize("stage", range(4))
+def test_deepspeeds_checkpoint_folder_loads_as_pretrained_weights(stage, tmp_path_factory):
+    """The folder the original's ``engine.save_checkpoint`` wrote (2 ranks' ZeRO partitions, put
+    together by DeepSpeed's own code after a strict read of every file) is the original's weights, bit
+    for bit, through ``parallelx.load_pretrained``: the folder (its ``latest``) and the step's folder."""
+    from argparse import Namespace
+
+    from ds_tutorial_original import Net
+
+    import parallelx
+
+    ref = original(stage, False, tmp_path_factory)
+    folder = stages_run(ORIGINAL, False, [], tmp_path_factory) / f"zero{stage}" / "checkpoints"
+    tag = (folder / "latest").read_text().strip()
+    for where in (folder, folder / tag):
+        net = Net(Namespace(moe=False))
+        parallelx.load_pretrained(net, where)
+        got = net.state_dict()
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), where
+
+
 @pytest.mark.scenario
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_deepspeeds_moe_layer_is_refused_where_it_cannot_run(case, tmp_path):

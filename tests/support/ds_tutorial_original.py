@@ -142,6 +142,8 @@ def main(args: argparse.Namespace) -> None:
         state = {k: v.detach().clone().cpu() for k, v in net.state_dict().items()}
     os.makedirs(args.out, exist_ok=True)
     torch.save({"model": state, "losses": losses}, os.path.join(args.out, f"rank{torch.distributed.get_rank()}.pt"))
+    if not args.moe:  # DeepSpeed's own checkpoint folder, as the tutorial saves it (read by parallelx as weights)
+        model_engine.save_checkpoint(os.path.join(args.out, "checkpoints"))
     print("Finished Training")
 
 
