@@ -286,9 +286,9 @@ def open_weights(path: str | os.PathLike[str]) -> WeightFile:
     elif storage.is_file(storage.join(loc, "pytorch_model.bin")):
         files = [storage.join(loc, "pytorch_model.bin")]
     elif (step := deepspeed_files.tag_folder(loc)) is not None:  # put together whole, by DeepSpeed's own code
-        state = deepspeed_files.read(step)
-        listed = {name: (loc, tuple(v.shape), v.dtype) for name, v in state.items()}
-        return WeightFile(listed, _handles={loc: state})
+        merged = deepspeed_files.read(step)
+        listed = {name: (loc, tuple(v.shape), v.dtype) for name, v in merged.items()}
+        return WeightFile(listed, _handles={loc: merged})
     elif (isinstance(loc, Path) and loc.is_dir()) or storage.listdir(loc):
         raise ParallelxError(
             f"{storage.show(loc)}: no weights found (expected {INDEX}, model.safetensors or pytorch_model.bin in "

@@ -182,10 +182,7 @@ def convert_to_safetensors(
     meta = storage.dcp_reader(shards).read_metadata().state_dict_metadata
     keys = [k for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)]
     infos = {k: meta[k] for k in keys}
-    tensors = [
-        TensorInfo(plain_key(k[len("model.") :]), tuple(m.size), m.properties.dtype)  # type: ignore[union-attr]
-        for k, m in infos.items()
-    ]
+    tensors = [TensorInfo(plain_key(k[len("model.") :]), tuple(m.size), m.properties.dtype) for k, m in infos.items()]
 
     def read_pieces() -> Iterator[Piece]:
         for k, info in zip(keys, tensors, strict=True):

@@ -286,21 +286,22 @@ def save_training_state(
 
     if isinstance(root, str):
         # Every rank's shards into a local staging folder of its own (DCP's collective), for the upload.
-        staged: dict[str, Path] = {}
+        local_shards: dict[str, Path] = {}
         mine = None
         try:
             for key, found in shards.items():
-                staged[key] = sharded.stage(found)
+                local_shards[key] = sharded.stage(found)
         except Exception as exc:  # a full staging disk: on every rank, the previous checkpoint stays the latest
             mine = f"staging the sharded checkpoint failed on rank {backend.rank}: {first_line(exc)}"
         try:
             _agree(backend, mine)
         except ParallelxError:
-            for folder in staged.values():
+            for folder in local_shards.values():
                 sharded.discard(folder)
             raise
         uploads = {
-            f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}": f for key, f in staged.items()
+            f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}": f
+            for key, f in local_shards.items()
         }
         # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
         return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous, uploads)

@@ -13,7 +13,6 @@ any backend.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from parallelx.errors import ParallelxError
 from parallelx.parts.shards import ParameterShards
 from parallelx.parts.stateio import StateIO, plain_key
+from parallelx.storage import Location
 from parallelx.tensor_parallel.part import Layout, TensorParallel, local_slice
 
 __all__ = ["TensorParallelShards", "TensorParallelStateIO"]
@@ -142,7 +142,7 @@ class TensorParallelStateIO(StateIO):
         return None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Path, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
     ) -> bool:
         return self.inner.load_sharded_state(model, optimizer, directory, param_groups)
 
