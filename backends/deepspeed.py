@@ -72,9 +72,11 @@ from parallelx.parts.state import (
     named_optimizer_state,
 )
 from parallelx.parts.stateio import StateIO, Unwrap, keyed_like, named_parameters
+from parallelx.storage import Location
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec, Joined, Run, unwrap
 
+from . import _deepspeed_shards as zero_shards
 from . import _deepspeed_zero as zero_state
 from ._allocator import after_first_step, return_freed_memory
 from ._deepspeed_config import (  # noqa: F401
@@ -210,6 +212,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         micro_batch_size: int | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         gradient_accumulation_steps: int | None = None,
+        sharded_checkpoints: bool = False,
     ) -> None:
         if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
             raise ParallelxError(f"deepspeed: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
@@ -229,6 +232,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self.config_line: tuple[str, bool] | None = None
         self.zero_stage_asked, self.micro_batch_size = zero_stage, micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        #: Training-state checkpoints as each rank's own partitions (ZeRO 1-3), none gathered.
+        self.sharded_checkpoints = bool(sharded_checkpoints)
         self.wrapped: list[DeepSpeedModel] = []
         self.lockstep: ForwardLockstep | None = None
         self.config: dict[str, Any] = {}
@@ -277,7 +282,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         return options
 
     def state_io(self) -> StateIO:
-        return DeepSpeedStateIO(unwrap, self.zero_stage, self.wrapped)
+        return DeepSpeedStateIO(unwrap, self.zero_stage, self.wrapped, self.sharded_checkpoints)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -302,6 +307,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             "and scheduler sections are refused (docs/from-deepspeed.md) (default: none, the options alone)"
             "%(default).0s",
         )
+        group.add_argument(
+            "--zero-sharded-checkpoints",
+            action="store_true",
+            help="training-state checkpoints as each rank's own ZeRO 1-3 partitions (torch.distributed.checkpoint "
+            "shards, loadable by every backend at any world size), nothing gathered",
+        )
         # DeepSpeed's launch lines pass --deepspeed (its flag that a config follows; no effect on its engine).
         # Without it argparse would read --deepspeed as an abbreviation of --deepspeed-config.
         group.add_argument("--deepspeed", action="store_const", const=True, default=False, help=argparse.SUPPRESS)
@@ -316,6 +327,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # --deepscale_config: DeepSpeed's former name, which add_config_arguments still adds.
             config=getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None),
             micro_batch_size=getattr(args, "batch_size", None),
+            sharded_checkpoints=getattr(args, "zero_sharded_checkpoints", False),
         )
         return options
 
@@ -743,10 +755,38 @@ class DeepSpeedStateIO(StateIO):
     """Whole state from ZeRO's shards (a collective), in ``torch.optim``'s
     layout whatever the stage and world size, and scattered back into them."""
 
-    def __init__(self, unwrap: Unwrap, zero_stage: int, wrapped: list[DeepSpeedModel]) -> None:
+    def __init__(
+        self, unwrap: Unwrap, zero_stage: int, wrapped: list[DeepSpeedModel], sharded_checkpoints: bool = False
+    ) -> None:
         super().__init__(unwrap)
         self.zero_stage = zero_stage
         self.wrapped = wrapped
+        self.sharded_checkpoints = sharded_checkpoints
+
+    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        module = self.unwrap(model)
+        if not self.sharded_checkpoints or self.zero_stage == 0:
+            return None
+        if self.experts(module) is not None:
+            warn("--zero-sharded-checkpoints: a model with DeepSpeed MoE layers is checkpointed whole (gathered)")
+            return None
+        found = zero_shards.sharded_state(optimizer.optimizer, self.zero_stage, module, zero_state.param_names(module))
+        extra = self.named_optimizer_state_extras(optimizer)
+        found["optimizer"].update(extra)
+        return found
+
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]
+    ) -> bool:
+        module = self.unwrap(model)
+        if self.zero_stage == 0 or self.experts(module) is not None:
+            return False  # the whole tensors, read from the shards
+        names = zero_state.param_names(module)
+        zero_shards.load_sharded_state(
+            optimizer.optimizer, self.zero_stage, module, names, directory, list(saved["param_groups"])
+        )
+        self.load_named_optimizer_state_extras(optimizer, saved)
+        return True
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"zero_stage": self.zero_stage}
@@ -868,25 +908,32 @@ class DeepSpeedStateIO(StateIO):
     def named_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         module = self.unwrap(model)
         named = self.named_state(module, optimizer, self.experts(module))
-        # The engine's own step counters ride along; a plain optimizer ignores them.
-        engine = optimizer.engine
-        named["engine_counters"] = {k: int(getattr(engine, k)) for k in ENGINE_COUNTERS}
-        # So does the fp16 engine's running loss scale (16-mixed): the other
-        # backends' GradScaler is saved beside the optimizer, DeepSpeed's lives in it.
-        scale = zero_state.loss_scale_state(optimizer.optimizer)
-        if scale is not None:
-            named["loss_scale"] = scale
+        named.update(self.named_optimizer_state_extras(optimizer))
         return named
 
-    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
-        module = self.unwrap(model)
-        experts = self.experts(module)
-        self.load_named_state(module, optimizer, state if experts is None else experts.local_optimizer(state))
+    def named_optimizer_state_extras(self, optimizer: Any) -> dict[str, Any]:
+        """What rides along with the optimizer's state, which a plain optimizer ignores: the engine's own
+        step counters, and the fp16 engine's running loss scale (16-mixed: the other backends' GradScaler
+        is saved beside the optimizer, DeepSpeed's lives in it)."""
+        engine = optimizer.engine
+        extras: dict[str, Any] = {"engine_counters": {k: int(getattr(engine, k)) for k in ENGINE_COUNTERS}}
+        scale = zero_state.loss_scale_state(optimizer.optimizer)
+        if scale is not None:
+            extras["loss_scale"] = scale
+        return extras
+
+    def load_named_optimizer_state_extras(self, optimizer: Any, state: Mapping[str, Any]) -> None:
         counters = state.get("engine_counters")
         if counters is not None:
             for k in ENGINE_COUNTERS:
                 setattr(optimizer.engine, k, int(counters[k]))
         zero_state.load_loss_scale_state(optimizer.optimizer, state.get("loss_scale"))
+
+    def load_named_optimizer_state(self, model: nn.Module, optimizer: Any, state: Mapping[str, Any]) -> None:
+        module = self.unwrap(model)
+        experts = self.experts(module)
+        self.load_named_state(module, optimizer, state if experts is None else experts.local_optimizer(state))
+        self.load_named_optimizer_state_extras(optimizer, state)
 
 
 #: DeepSpeed engine counters that a training-state checkpoint restores.

@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -207,9 +207,9 @@ class FSDPStateIO(StateIO):
         return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]
     ) -> bool:
-        fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, param_groups)
+        fsdp_state.load_sharded_state(self.unwrap(model), optimizer, directory, saved["param_groups"])
         return True
 
     def _owner(self, optimizer: Any) -> nn.Module:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ def write(shards: dict[str, Any], directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     tensors = {"model": shards["model"], "optimizer": {"state": shards["optimizer"]["state"]}}
-    dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
+    with warnings.catch_warnings():  # ZeRO's runs are ShardedTensors: DCP's notice that DTensor succeeds them
+        warnings.filterwarnings("ignore", message="Please use DTensor instead")
+        dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
 
 
 def stage(shards: dict[str, Any]) -> Path:
@@ -77,8 +80,9 @@ def discard(staged: Path) -> None:
 
 
 def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
-    """What ``state.pt`` keeps of a sharded optimizer state: its param groups (the tensors are in the shards)."""
-    return {"state": {}, "param_groups": shards["optimizer"]["param_groups"]}
+    """What ``state.pt`` keeps of a sharded optimizer state: all but its tensors (in the shards): the
+    param groups, and what a backend keeps beside them (DeepSpeed: its engine's counters)."""
+    return {**{k: v for k, v in shards["optimizer"].items() if k != "state"}, "state": {}}
 
 
 def read_whole(directory: Location) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -120,7 +124,7 @@ def load(io: StateIO, path: Location, model: Any, optimizer: Any, saved_optimize
             f"checkpoint {storage.show(path)} is of another model: not saved {sorted(live - keys)[:3]}, not in "
             f"this model {sorted(keys - live)[:3]}"
         )
-    if io.load_sharded_state(model, optimizer, storage.join(path, SHARDS), saved_optimizer["param_groups"]):
+    if io.load_sharded_state(model, optimizer, storage.join(path, SHARDS), saved_optimizer):
         return
     weights, optim = read_whole(path)
     io.load_model_state_dict(model, weights)

@@ -269,8 +269,9 @@ def save_training_state(
         # DCP's writes are collectives of their own, which a background thread cannot run beside the training's.
         # (To a store, the shards are staged on the local disk now and uploaded in the background.)
         log.warn(
-            "--checkpoint-async: sharded checkpoints (--fsdp-sharded-checkpoints) are written before the step "
-            "goes on; the whole-tensor checkpoints are the ones written in the background"
+            "--checkpoint-async: sharded checkpoints (--fsdp-sharded-checkpoints, --zero-sharded-checkpoints) to a "
+            "local folder are written before the step goes on; those to a store are uploaded in the background, and "
+            "so are the whole-tensor checkpoints"
         )
         asynchronous = False
     if asynchronous:  # what the writer writes: copies no later update can reach

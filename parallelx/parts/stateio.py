@@ -160,11 +160,13 @@ class StateIO:
         return None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]
     ) -> bool:
         """Read this rank's own slices of a sharded checkpoint's ``directory``
-        straight into ``model`` and ``optimizer`` (a collective); False: the
-        backend does not shard, and the caller loads the whole tensors."""
+        straight into ``model`` and ``optimizer`` (a collective); ``saved``: the
+        optimizer's entry in ``state.pt`` (its param groups, and what else
+        :meth:`sharded_state` put beside the tensors).  False: the backend does
+        not shard, and the caller loads the whole tensors."""
         return False
 
     def checkpoint_meta(self) -> dict[str, Any]:

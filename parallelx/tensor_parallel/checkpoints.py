@@ -135,16 +135,17 @@ class TensorParallelStateIO(StateIO):
     def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
         if self.inner.sharded_state(model, optimizer) is not None:
             raise ParallelxError(
-                "tensor parallel: sharded training-state checkpoints (--fsdp-sharded-checkpoints) are not offered "
+                "tensor parallel: sharded training-state checkpoints (--fsdp-sharded-checkpoints, "
+                "--zero-sharded-checkpoints) are not offered "
                 "with --tensor-parallel: leave that option out; the portable checkpoints hold whole tensors and "
                 "load at any tensor-parallel degree"
             )
         return None
 
     def load_sharded_state(
-        self, model: nn.Module, optimizer: Any, directory: Location, param_groups: list[dict[str, Any]]
+        self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]
     ) -> bool:
-        return self.inner.load_sharded_state(model, optimizer, directory, param_groups)
+        return self.inner.load_sharded_state(model, optimizer, directory, saved)
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {**self.inner.checkpoint_meta(), "tensor_parallel": self.tp.size}
