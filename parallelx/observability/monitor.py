@@ -37,8 +37,10 @@ from typing import Any, Protocol
 
 import torch
 
+from parallelx import storage
 from parallelx.errors import ParallelxError
 from parallelx.log import info, warn
+from parallelx.observability.mirror import Mirror
 from parallelx.observability.options import MonitorOptions
 from parallelx.observability.profiling import StepProfiler
 from parallelx.observability.throughput import StepMeter, combine, peak_flops
@@ -116,7 +118,10 @@ class Monitor:
         self._started = False
         self._pending: list[_Entry] = []
         self._hyperparams: dict[str, Any] = {}
-        self._run_dir: Path | None = options.log_dir
+        #: A run directory in a store: the local folder the files are written to first, copied there.
+        log_dir = options.log_dir
+        self._mirror = Mirror(log_dir) if isinstance(log_dir, str) else None
+        self._run_dir: Path | None = log_dir if isinstance(log_dir, Path) else None
         self._writer: _Writer | None = None
         self._closed = False
 
@@ -124,6 +129,8 @@ class Monitor:
     @property
     def run_dir(self) -> Path:
         """Where the trackers and the profiles write: ``log_dir``, or a new ``runs/<date>-<time>``."""
+        if self._run_dir is None and self._mirror is not None:
+            self._run_dir = self._mirror.make_local()
         if self._run_dir is None:
             base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
             path, n = base, 1
@@ -231,7 +238,7 @@ class Monitor:
             run_dir = self.run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             trackers = [tracker_class(n)(run_dir, self.options.run_name or run_dir.name) for n in self.options.loggers]
-            self._writer = _Writer(trackers, self._all_hyperparams())
+            self._writer = _Writer(trackers, self._all_hyperparams(), self._mirror)
             self._writer.start()
         self._writer.raise_error()
         return self._writer
@@ -361,8 +368,11 @@ class Monitor:
         finally:
             if self._writer is not None:
                 self._writer.close(failed=failed)
-                if not failed:
-                    info(f"parallelx: metrics of this run in {self.run_dir} ({', '.join(self.options.loggers)})")
+            if self._mirror is not None:  # every rank: the trackers' files (rank 0) and its profile traces
+                self._mirror.sync(force=True)
+            if self._writer is not None and not failed:
+                where = storage.show(self._mirror.url) if self._mirror is not None else self.run_dir
+                info(f"parallelx: metrics of this run in {where} ({', '.join(self.options.loggers)})")
 
 
 def _reduce_ops(metrics: Mapping[str, Any], reduce: Reduce) -> list[str | None]:
@@ -424,9 +434,10 @@ class _Writer:
     """Rank 0's thread that opens the trackers and writes to them, so that the
     loop never waits for a file, a database or a server."""
 
-    def __init__(self, trackers: list[Tracker], hyperparams: dict[str, Any]) -> None:
+    def __init__(self, trackers: list[Tracker], hyperparams: dict[str, Any], mirror: Mirror | None = None) -> None:
         self.trackers = trackers
         self.hyperparams = hyperparams
+        self.mirror = mirror
         self.error: str | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="parallelx-trackers", daemon=True)
@@ -481,6 +492,8 @@ class _Writer:
                 except Exception as exc:  # one failing tracker must not stop training or the others
                     warn(f"logger {tracker.name!r} failed and is left out from now on: {type(exc).__name__}: {exc}")
                     live.remove(tracker)
+            if kind == "metrics" and self.mirror is not None:
+                self.mirror.sync()  # what the trackers wrote, to the store (every so many seconds)
             self._queue.task_done()
             if kind == "close":
                 return

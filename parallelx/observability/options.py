@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parallelx import storage
 from parallelx.errors import ParallelxError
 from parallelx.observability.profiling import parse_steps
 from parallelx.observability.trackers.catalog import parse_loggers
@@ -26,8 +27,9 @@ class MonitorOptions:
 
     #: Tracker names (``--logger``): built-ins ``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or registered ones.
     loggers: tuple[str, ...] = ()
-    #: The run directory (``--logger-dir``): tracker files and profiles. None: ``runs/<date>-<time>``.
-    log_dir: Path | None = None
+    #: The run directory (``--logger-dir``): tracker files and profiles, a local path or a store's URL
+    #: (written to a local staging folder and copied there as the files change). None: ``runs/<date>-<time>``.
+    log_dir: Path | str | None = None
     #: Optimizer steps per logging interval (``--logger-every``).
     log_every: int = DEFAULT_LOG_EVERY
     #: Measure throughput and MFU; None: when a logger is given.
@@ -51,7 +53,7 @@ class MonitorOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "loggers", parse_loggers(self.loggers))
         if self.log_dir is not None:
-            object.__setattr__(self, "log_dir", Path(self.log_dir))
+            object.__setattr__(self, "log_dir", storage.location(self.log_dir))
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 1:
             raise ParallelxError(f"log_every must be an integer >= 1 (optimizer steps), got {self.log_every!r}")
         if self.peak_tflops is not None and not (self.peak_tflops > 0 and math.isfinite(self.peak_tflops)):

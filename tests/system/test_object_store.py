@@ -349,3 +349,24 @@ def test_save_pretrained_into_the_store_loads_back_bit_for_bit(s3_env, backend):
     parallelx.save_pretrained(backend, model, url)
     keys = sorted(k.rsplit("/", 1)[-1] for k in store.keys(bucket, "saved/gpt/"))
     assert INDEX not in keys and "model.safetensors" in keys, keys
+
+
+def test_the_trackers_files_go_to_a_logger_dir_in_the_store(s3_env, tmp_path):
+    """``--logger-dir s3://...`` (``log_dir=``): the CSV and TensorBoard trackers write into a local
+    staging folder whose files are copied to the store as they change and at the end; what is in the
+    store then is what they wrote, the CSV row for row."""
+    store, bucket = s3_env
+    url = f"s3://{bucket}/runs/exp1"
+    with parallelx.get_backend("single", loggers="csv,tensorboard", log_dir=url) as backend:
+        for step in range(1, 6):
+            backend.log_metrics({"loss": 1.0 / step}, step=step)
+        backend.monitor.flush()
+        local = backend.monitor.run_dir
+    assert not storage.is_url(str(local)) and local.is_dir()
+    keys = [k[len("runs/exp1/") :] for k in store.keys(bucket, "runs/exp1/")]
+    written = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    assert sorted(keys) == written and "metrics.csv" in keys and any("tfevents" in k for k in keys), keys
+    for name in written:
+        assert storage.read_bytes(f"{url}/{name}") == (local / name).read_bytes(), name
+    rows = storage.read_bytes(f"{url}/metrics.csv").decode().splitlines()
+    assert len(rows) == 1 + 5 and rows[1].split(",")[0] == "1", rows
