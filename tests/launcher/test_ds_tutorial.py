@@ -5,8 +5,9 @@ optional MoE layer) under plain DeepSpeed, against its parallelx port
 summation order.  With MoE (ZeRO 0-2; DeepSpeed has none under ZeRO-3) the port's ``backend.save``
 holds every expert, rank 1's included, and a run resumed from its halfway checkpoint (the positional
 and the named optimizer state) ends bitwise where the uninterrupted run ended; the other backends
-refuse DeepSpeed's MoE layer at set-up with a ParallelxError.  Under DeepSpeed every stage runs in one
-launch (``tests/support/zero_stages.py``), the original's and the port's each."""
+refuse DeepSpeed's MoE layer at set-up with a ParallelxError.  Under DeepSpeed the stages run in one
+launch per group (``tests/support/zero_stages.py``, :data:`STAGE_GROUPS`), the original's and the port's
+each.  The folder the original's ``engine.save_checkpoint`` wrote loads as pretrained weights."""
 
 from __future__ import annotations
 
@@ -56,18 +57,20 @@ REFUSED: dict[str, tuple[str, list[str]]] = {
     "single-moe": ("python", ["--backend", "single", "--moe", "--ep-world-size", "1"]),
 }
 
-#: The DeepSpeed stages each launch runs (``tests/support/zero_stages.py``): one DeepSpeed start for all.
-STAGES = {False: (0, 1, 2, 3), True: (0, 1, 2)}
-_runs: dict[tuple[str, bool], Path] = {}
+#: The DeepSpeed stages each launch runs (``tests/support/zero_stages.py``): one DeepSpeed start for all
+#: of a group.  make test's case (ZeRO-1 with MoE) launches its stage alone; the scenarios the rest.
+STAGE_GROUPS = {False: [(0, 1, 2, 3)], True: [(1,), (0, 2)]}
+_runs: dict[tuple[str, bool, tuple[int, ...]], Path] = {}
 
 
-def stages_run(script: str, moe: bool, extra: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``script`` under the deepspeed launcher at every stage of :data:`STAGES`, once per module: the
-    folder holding ``zero<S>/`` for each."""
-    if (script, moe) not in _runs:
+def stages_run(script: str, moe: bool, extra: list[str], stage: int, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``script`` under the deepspeed launcher at every stage of ``stage``'s group of :data:`STAGE_GROUPS`,
+    once per module: the folder holding ``zero<S>/`` for each."""
+    group = next(g for g in STAGE_GROUPS[moe] if stage in g)
+    if (script, moe, group) not in _runs:
         require_launcher("deepspeed")
         out = tmp_path_factory.mktemp(f"{Path(script).stem}{'-moe' if moe else ''}")
-        stages = [str(z) for z in STAGES[moe]]
+        stages = [str(z) for z in group]
         res = launch(
             "deepspeed",
             ["tests/support/zero_stages.py", script, "--stages", *stages, "--out", str(out), *extra],
@@ -75,8 +78,8 @@ def stages_run(script: str, moe: bool, extra: list[str], tmp_path_factory: pytes
             env=DS_ENV,
         )
         assert res.returncode == 0, res.tail()
-        _runs[script, moe] = out
-    return _runs[script, moe]
+        _runs[script, moe, group] = out
+    return _runs[script, moe, group]
 
 
 def whole(folder: Path) -> dict[str, torch.Tensor]:
@@ -95,15 +98,15 @@ def whole(folder: Path) -> dict[str, torch.Tensor]:
 
 def original(stage: int, moe: bool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The tutorial's weights under plain DeepSpeed at ``stage``."""
-    return whole(stages_run(ORIGINAL, moe, ["--moe"] if moe else [], tmp_path_factory) / f"zero{stage}")
+    return whole(stages_run(ORIGINAL, moe, ["--moe"] if moe else [], stage, tmp_path_factory) / f"zero{stage}")
 
 
 def ported(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of the port's run of ``case``: DeepSpeed's stages share one launch, the others launch alone."""
     launcher, args, stage = PORTS[case]
     if launcher == "deepspeed":
-        at = args.index("--stage")  # the launch runs every stage
-        return stages_run(PORT, "--moe" in args, args[:at] + args[at + 2 :], tmp_path_factory) / f"zero{stage}"
+        at = args.index("--stage")  # the launch runs every stage of the group
+        return stages_run(PORT, "--moe" in args, args[:at] + args[at + 2 :], stage, tmp_path_factory) / f"zero{stage}"
     require_launcher(launcher)
     res = launch(launcher, [PORT, *args, "--out", str(tmp_path)], timeout=TIMEOUT)
     assert res.returncode == 0, res.tail()
@@ -150,7 +153,7 @@ def test_deepspeeds_checkpoint_folder_loads_as_pretrained_weights(stage, tmp_pat
     import parallelx
 
     ref = original(stage, False, tmp_path_factory)
-    folder = stages_run(ORIGINAL, False, [], tmp_path_factory) / f"zero{stage}" / "checkpoints"
+    folder = stages_run(ORIGINAL, False, [], stage, tmp_path_factory) / f"zero{stage}" / "checkpoints"
     tag = (folder / "latest").read_text().strip()
     for where in (folder, folder / tag):
         net = Net(Namespace(moe=False))
