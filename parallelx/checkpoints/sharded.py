@@ -20,6 +20,7 @@ a sharded checkpoint (:func:`convert`), the layout of an unsharded ``state.pt``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -32,7 +33,7 @@ import torch
 
 from parallelx import storage
 from parallelx.bigmodels.export import Layout, Piece, TensorInfo, write_safetensors
-from parallelx.errors import ParallelxError
+from parallelx.errors import ParallelxError, first_line
 from parallelx.parts import portable as checkpoint
 from parallelx.parts.stateio import StateIO, plain_key
 from parallelx.storage import Location
@@ -46,10 +47,29 @@ def write(shards: dict[str, Any], directory: Path) -> None:
     under ``directory/shards``.  A collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
-    tensors = {"model": shards["model"], "optimizer": {"state": shards["optimizer"]["state"]}}
-    with warnings.catch_warnings():  # ZeRO's runs are ShardedTensors: DCP's notice that DTensor succeeds them
+    # The param groups too (each parameter by its name), as torch's get_optimizer_state_dict gives them: plain
+    # DCP code reads the optimizer's state back with set_optimizer_state_dict (docs/checkpoints.md).
+    optimizer = {"state": shards["optimizer"]["state"], "param_groups": shards["optimizer"]["param_groups"]}
+    tensors = {"model": shards["model"], "optimizer": optimizer}
+    with warnings.catch_warnings(), dcp_errors(f"writing the shards into {directory}"):
+        # ZeRO's runs are ShardedTensors: DCP's notice that DTensor succeeds them.
         warnings.filterwarnings("ignore", message="Please use DTensor instead")
         dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
+
+
+@contextlib.contextmanager
+def dcp_errors(what: str) -> Iterator[None]:
+    """DCP's failures (a ``CheckpointException``, which is no ``Exception``: an ``except Exception`` lets
+    it through) as one ``ParallelxError`` naming ``what`` and the first rank's cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        rank, failure = sorted(exc.failures.items())[0]
+        cause = getattr(failure, "exc", failure)
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause  # (exception, traceback)
+        raise ParallelxError(f"{what} failed (rank {rank}: {type(cause).__name__}: {first_line(cause)})") from None
 
 
 def stage(shards: dict[str, Any]) -> Path:
@@ -88,24 +108,64 @@ def skeleton(shards: dict[str, Any]) -> dict[str, Any]:
 def read_whole(directory: Location) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's and the optimizer's whole tensors from ``directory/shards``
     (written at any world size), on the CPU, read by this process alone."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     folder = storage.join(directory, SHARDS)
     if not storage.is_file(storage.join(folder, ".metadata")):
         raise ParallelxError(f"{storage.show(directory)} is not a sharded checkpoint (no {SHARDS}/.metadata)")
-    # torch's own conversion (whole tensors from the shards' index), through a temporary file; the
-    # shards of a checkpoint in a store are downloaded beside it first (every one is read whole).
-    with tempfile.TemporaryDirectory(prefix="parallelx-whole-") as tmp:
-        if not isinstance(folder, Path):
-            local = Path(tmp) / SHARDS
-            local.mkdir()
-            for f in storage.listdir(folder):
-                storage.download(storage.join(folder, f), local / f)
-            folder = local
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(folder, whole)
-        state = torch.load(whole, map_location="cpu", weights_only=True)
+    state = read_folder(folder, tensors_only=True)
     return state["model"], state.get("optimizer", {}).get("state", {})
+
+
+def _strict_planner() -> Any:
+    """DCP's default load planner, reading each non-tensor entry (a param group's value) with
+    ``weights_only=True`` (DCP's own reads it with ``weights_only=False``: a folder from elsewhere could
+    run code), into the dict ``dcp.load`` copies back into the caller's."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Strict(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    return Strict(flatten_state_dict=False)
+
+
+def read_folder(folder: Location, *, tensors_only: bool = False) -> dict[str, Any]:
+    """Everything in the DCP folder ``folder`` (local or in a store), whole, on the CPU, by this process
+    alone, in the nesting it was saved with (``{"model": {...}, "optim": {"state": ..., "param_groups":
+    ...}}``); its other entries read strictly (``weights_only``), or left out with ``tensors_only``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = storage.dcp_reader(folder)
+    meta = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for key, info in meta.state_dict_metadata.items():
+        if isinstance(info, TensorStorageMetadata):
+            flat[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        elif not tensors_only:
+            flat[key] = None  # read by the planner above
+    with warnings.catch_warnings(), dcp_errors(f"reading {storage.show(folder)}"):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: asked for
+        dcp.load(flat, storage_reader=storage.dcp_reader(folder), planner=_strict_planner(), no_dist=True)
+    # Back into the saved nesting: DCP's index keeps each flattened key's path (names hold dots themselves).
+    paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    nested: dict[Any, Any] = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        at = nested
+        for part in path[:-1]:
+            at = at.setdefault(part, {})
+        at[path[-1]] = value
+    return _lists(nested)
+
+
+def _lists(node: Any) -> Any:
+    """A nesting of dicts with the entries of saved lists (the param groups) under int keys: those lists again."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
 
 
 def saved_keys(directory: Location) -> set[str]:

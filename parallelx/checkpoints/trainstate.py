@@ -439,6 +439,8 @@ def load_training_state(
     default_scaler = scaler is None
     scaler = backend.grad_scaler if scaler is None else scaler
     path = storage.location(path)
+    if not is_complete(path) and storage.is_file(storage.join(path, ".metadata")):
+        return _load_plain_dcp(backend, path, parts)
     state, rng, error = None, None, None
     try:
         state = _read_state(path)
@@ -797,6 +799,43 @@ def _agree(backend: Backend, error: str | None) -> None:
         failed = backend.all_reduce(failed, op="max")
     if int(failed.item()):
         raise ParallelxError(error or "another rank failed to read or write the checkpoint (see its error)")
+
+
+def _load_plain_dcp(backend: Backend, path: Location, parts: Parts) -> dict[str, Any]:
+    """A checkpoint that plain ``torch.distributed.checkpoint`` code wrote (PyTorch's FSDP2 example:
+    ``dcp.save({"model": get_model_state_dict(...), "optim": get_optimizer_state_dict(...)})``): the
+    model's and the optimizer's state by parameter name, read whole by every rank and cut as this
+    backend keeps them.  It holds no counters, sampler or generator states: those start afresh."""
+    if parts.named or len(parts.optimizers) > 1:
+        raise ParallelxError(
+            f"{storage.show(path)} is a plain torch.distributed.checkpoint folder: it loads into one model and "
+            "its optimizer (model=, optimizer=)"
+        )
+    error, found = None, None
+    try:
+        found = sharded.read_folder(path)
+    except ParallelxError as exc:  # every rank alike: none is left in a collective
+        error = str(exc)
+    except Exception as exc:
+        error = f"reading {storage.show(path)} failed on rank {backend.rank}: {first_line(exc)}"
+    _agree(backend, error)
+    assert found is not None
+    model_state = found.get("model")
+    optim_state = found.get("optim", found.get("optimizer"))
+    if not isinstance(model_state, dict):
+        raise ParallelxError(f"{storage.show(path)}: no model state in it (expected the key 'model')")
+    model = parts.models.get("model")
+    if model is not None:
+        backend.state_io.load_model_state_dict(model, model_state)
+    optimizer = parts.optimizers.get("optimizer")
+    if optimizer is not None and model is not None:
+        if not isinstance(optim_state, dict) or "param_groups" not in optim_state:
+            raise ParallelxError(
+                f"{storage.show(path)}: no optimizer state in it (expected 'optim' or 'optimizer', as "
+                "get_optimizer_state_dict gives it)"
+            )
+        backend.state_io.load_named_optimizer_state(model, optimizer, optim_state)
+    return {"counters": {}, "loader_seed": None, "meta": {"format": "torch.distributed.checkpoint"}, "extra": None}
 
 
 def _read_state(path: Location) -> dict[str, Any]:

@@ -85,6 +85,22 @@ def test_the_shards_load_with_plain_dcp_and_as_pretrained_weights(runs):
     weights = open_weights(step / "shards")
     assert sorted(weights.names()) == sorted(portable)  # the model's, not the optimizer's
     assert all(torch.equal(weights.rows(k), v) for k, v in portable.items())
+    # The optimizer too, by torch's own state-dict functions (the FSDP2 example's --dcp-api way), keyed by name.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    saved = torch.load(runs["two"] / "portable-adamw.pt", weights_only=True)["optimizer"]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.zeros(1, 8)).sum().backward()
+    optimizer.step()  # torch's functions fill a state that exists
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(step / "shards"), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    assert max_diff(dict(model.state_dict()), portable) == 0.0
+    plain = {n: optimizer.state[p] for n, p in model.named_parameters()}
+    assert max_diff(plain, saved["state"]) == 0.0
+    assert optimizer.param_groups[0]["lr"] == saved["param_groups"][0]["lr"] != 0.5
 
 
 @pytest.mark.parametrize("optim", OPTIMIZERS)
