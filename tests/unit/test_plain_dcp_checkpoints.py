@@ -64,5 +64,7 @@ def test_a_folder_without_a_model_or_with_several_parts_is_one_error(tmp_path):
             parallelx.load_training_state(backend, tmp_path / "odd", models={"a": model, "b": model})
         state = {"model": dict(model.state_dict()), "optim": {"state": {}, "param_groups": [{"x": Payload()}]}}
         dcp.save(state, checkpoint_id=str(tmp_path / "unsafe"), no_dist=True)
-        with pytest.raises(ParallelxError, match=r"reading .*unsafe failed \(rank 0: UnpicklingError: Weights only load failed"):
+        with pytest.raises(
+            ParallelxError, match=r"reading .*unsafe failed \(rank 0: UnpicklingError: Weights only load failed"
+        ):
             parallelx.load_training_state(backend, tmp_path / "unsafe", model=model, optimizer=optimizer)
