@@ -87,7 +87,7 @@ def dry_run(tmp_path_factory):
 
 
 @pytest.mark.launcher
-@pytest.mark.scenario
+@pytest.mark.matrix  # 4 to 5 minutes of launches: make test-matrix (CI's time: docs/testing.md)
 @pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
 def test_dry_run_passes_and_writes_its_report(dry_run):
     rc, output, out = dry_run
@@ -104,7 +104,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
 
 
 @pytest.mark.launcher
-@pytest.mark.scenario
+@pytest.mark.matrix  # 4 to 5 minutes of launches: make test-matrix (CI's time: docs/testing.md)
 @pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
 def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
     _, output, out = dry_run
@@ -138,7 +138,7 @@ def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
 
 
 @pytest.mark.launcher
-@pytest.mark.scenario
+@pytest.mark.matrix  # 4 to 5 minutes of launches: make test-matrix (CI's time: docs/testing.md)
 @pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 60)
 def test_cuda_only_checks_are_listed_as_skipped(dry_run):
     _, _, out = dry_run
