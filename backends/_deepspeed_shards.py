@@ -57,7 +57,7 @@ def runs(zero: Any, stage: int, module: nn.Module) -> dict[str, Run]:
         ds: Any = p
         if stage == 3:
             size = ds.ds_tensor.ds_numel
-            rank = ds._z3_optimizer._get_param_partition_rank(p) if id(p) in trained else _dp_rank()
+            rank = ds._z3_optimizer._get_param_partition_rank(p) if id(p) in trained else torch.distributed.get_rank()
             start, stop = min(rank * size, ds.ds_numel), min((rank + 1) * size, ds.ds_numel)
             weights = ds.ds_tensor.detach()[: stop - start]
             state = _z3_state(p, stop - start) if id(p) in trained else None
@@ -79,10 +79,6 @@ def _z3_state(p: Any, n: int) -> Callable[[str | None], torch.Tensor]:
         return part.narrow(0, 0, n)
 
     return get
-
-
-def _dp_rank() -> int:
-    return torch.distributed.get_rank()
 
 
 def _every_rank(mine: dict[str, Run]) -> dict[str, list[tuple[int, int]]]:
@@ -153,7 +149,7 @@ def sharded_state(zero: Any, stage: int, module: nn.Module, names: Mapping[int, 
 
 
 def load_sharded_state(
-    zero: Any | None,
+    zero: Any,
     stage: int,
     module: nn.Module,
     names: Mapping[int, str],
@@ -161,13 +157,12 @@ def load_sharded_state(
     param_groups: list[dict[str, Any]],
 ) -> None:
     """Read this rank's runs of a sharded checkpoint (written by any engine at any world size) into
-    the weights, the float32 masters and the optimizer state (a collective).  ``zero`` None: a model
-    set up without an optimizer (its weights only)."""
+    the weights, the float32 masters and the optimizer state (a collective)."""
     import torch.distributed.checkpoint as dcp
 
     reader = storage.dcp_reader(directory)
     saved = reader.read_metadata().state_dict_metadata
-    mine = runs(zero, stage, module) if zero is not None else {}
+    mine = runs(zero, stage, module)
     every = _every_rank(mine)
     model: dict[str, Any] = {}
     after: list[Callable[[], None]] = []
@@ -186,29 +181,27 @@ def load_sharded_state(
             model[key] = got
             after.append(_set_whole(value, got, mine.get(key)))
     optim: dict[str, Any] = {}
-    if zero is not None:
-        cut = sorted({k.rsplit(".", 1)[1] for k in saved if k.startswith("optimizer.state.") and _is_cut(saved[k])})
-        _create_state(zero, stage, cut)
-        zero_state.link_optimizer_state(zero, stage)
-        mine = runs(zero, stage, module)
-        for g, params in enumerate(zero_state.trained_groups(zero, stage)):
-            for p in params:
-                key = names[id(p)]
-                run = mine.get(key)
-                entry: dict[str, Any] = {}
-                for k in cut:
-                    if f"optimizer.state.{key}.{k}" not in saved:
-                        continue
-                    if run is not None and run.state is not None:
-                        entry[k] = chunked(run.state(k), run.shape, run.start, every[key])
-                    else:
-                        entry[k] = chunked(torch.empty(0), zero_state.full_shape(p), 0, every[key])
-                for full, meta in saved.items():
-                    if full.startswith(f"optimizer.state.{key}.") and not _is_cut(meta):
-                        k = full.rsplit(".", 1)[1]
-                        entry[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                        after.append(_set_group_value(zero, stage, g, p, k, entry))
-                optim[key] = entry
+    cut = sorted({k.rsplit(".", 1)[1] for k in saved if k.startswith("optimizer.state.") and _is_cut(saved[k])})
+    _create_state(zero, stage, cut)
+    zero_state.link_optimizer_state(zero, stage)  # the runs' state views read the state made here
+    for g, params in enumerate(zero_state.trained_groups(zero, stage)):
+        for p in params:
+            key = names[id(p)]
+            run = mine.get(key)
+            entry: dict[str, Any] = {}
+            for k in cut:
+                if f"optimizer.state.{key}.{k}" not in saved:
+                    continue
+                if run is not None and run.state is not None:
+                    entry[k] = chunked(run.state(k), run.shape, run.start, every[key])
+                else:
+                    entry[k] = chunked(torch.empty(0), zero_state.full_shape(p), 0, every[key])
+            for full, meta in saved.items():
+                if full.startswith(f"optimizer.state.{key}.") and not _is_cut(meta):
+                    k = full.rsplit(".", 1)[1]
+                    entry[k] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                    after.append(_set_group_value(zero, stage, g, p, k, entry))
+            optim[key] = entry
     missing = sorted(k for k in model if f"model.{k}" not in saved)
     if missing:
         raise ParallelxError(f"deepspeed: the sharded checkpoint {storage.show(directory)} lacks {missing[:3]}")
@@ -218,9 +211,8 @@ def load_sharded_state(
     with torch.no_grad():
         for step in after:
             step()
-    if zero is not None:
-        for group, saved_group in zip(zero.optimizer.param_groups, param_groups):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    for group, saved_group in zip(zero.optimizer.param_groups, param_groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
 def _is_cut(meta: Any) -> bool:

@@ -91,7 +91,7 @@ def upload(staged: Path, folder: Location) -> None:
         for f in sorted(staged.iterdir()):
             storage.upload(f, storage.join(folder, SHARDS, f.name))
     finally:
-        shutil.rmtree(staged.parent, ignore_errors=True)
+        discard(staged)
 
 
 def discard(staged: Path) -> None:
@@ -145,7 +145,7 @@ def read_folder(folder: Location, *, tensors_only: bool = False) -> dict[str, An
             flat[key] = None  # read by the planner above
     with warnings.catch_warnings(), dcp_errors(f"reading {storage.show(folder)}"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: asked for
-        dcp.load(flat, storage_reader=storage.dcp_reader(folder), planner=_strict_planner(), no_dist=True)
+        dcp.load(flat, storage_reader=reader, planner=_strict_planner(), no_dist=True)
     # Back into the saved nesting: DCP's index keeps each flattened key's path (names hold dots themselves).
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     nested: dict[Any, Any] = {}

@@ -34,14 +34,13 @@ class Mirror:
             self.local = Path(tempfile.mkdtemp(prefix="parallelx-logs-"))
         return self.local
 
-    def sync(self, *, force: bool = False) -> bool:
+    def sync(self, *, force: bool = False) -> None:
         """Upload the files that changed since the last copy (at most every ``every_s`` seconds unless
-        ``force``); False when an upload failed (said, and tried again next time)."""
+        ``force``); a failed upload is said, and tried again next time."""
         if self.local is None or (not force and time.monotonic() - self._last < self.every_s):
-            return True
+            return
         with self._lock:
             self._last = time.monotonic()
-            ok = True
             for f in sorted(p for p in self.local.rglob("*") if p.is_file()):
                 stat = f.stat()
                 mark = (stat.st_size, stat.st_mtime_ns)
@@ -54,7 +53,5 @@ class Mirror:
                     warn(
                         f"copying the run's file to {storage.show(target)} failed: {first_line(exc)}; tried again later"
                     )
-                    ok = False
                     continue
                 self._sent[f] = mark
-            return ok
