@@ -79,14 +79,18 @@ def job(
     batch: int = 16,
     workers: int = 0,
     env: dict[str, str] | None = None,
-    timeout: float = 150,
+    timeout: float | None = None,
     while_running=None,
     wrapper: bool = True,
     url: str | None = None,
 ) -> tuple[int, str]:
     """Run the recipe (through the fault wrapper) under ``launcher``; return (exit status, output).
-    ``url``: the ``--out-dir`` (an object store's), ``out`` then only names the log."""
+    ``url``: the ``--out-dir`` (an object store's), ``out`` then only names the log.
+    ``timeout`` (a hang's guard, not a measure): by default 150 s and 60 more per restart, since each
+    attempt starts its launcher and ranks again (a 4-attempt job took over 150 s on CI's loaded 2 cores)."""
     require_launcher(launcher)
+    if timeout is None:
+        timeout = 150 + 60 * (restarts or 0)
     spec = launcher_for(launcher)
     port = free_port()
     target = "tests/support/resume_wrapper.py" if wrapper else "recipes/cifar10.py"
@@ -197,6 +201,7 @@ def reference(data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.timeout(480)  # four attempts, each guarded by job()'s timeout
 def test_torchrun_restarts_after_kills_anywhere_and_ends_bitwise_equal(data, reference, tmp_path):
     """One job, three failures, each on its own attempt, with a loader worker per process:
     attempt 0 loses rank 1 after step 3; attempt 1 loses rank 0 half-way through writing
@@ -483,28 +488,71 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
 
 
-def test_async_checkpoints_in_the_store_resume_auto_bitwise_after_a_kill(data, reference, tmp_path, s3_env):
+@pytest.mark.timeout(600)  # two launches, the first with a restart
+def test_async_checkpoints_in_the_store_survive_a_kill_a_slow_store_and_a_stopped_one(
+    data, reference, tmp_path, s3_env
+):
     """The recipe with its outputs and checkpoints in an S3-compatible store (SeaweedFS, started by
-    the tests) and the checkpoints written in the background: rank 1 is SIGKILLed after step 3,
-    torchrun restarts both ranks, ``--resume auto`` finds the latest complete checkpoint in the
-    store and the run ends on the uninterrupted run's weights and history, to the bit."""
+    the tests) and the checkpoints written in the background, under torchrun, through the store's
+    faults: rank 1 is SIGKILLed after step 3 and torchrun restarts both ranks, ``--resume auto``
+    finding the latest complete checkpoint in the store; in the restarted attempt the store stops
+    answering for 3 s during a save (a slow store: training goes on, the save completes), then its
+    server is stopped during the saves that follow (the retries give up: the job ends with a line
+    naming the store's URL and the cause).  The store started again, the next launch's ``--resume
+    auto`` continues from the latest complete checkpoint (never a partial one) and the run ends on
+    the uninterrupted run's weights and history, to the bit."""
     store, bucket = s3_env
     url = f"s3://{bucket}/run"
-    rc, output = job(
-        "torchrun",
-        ["--checkpoint-every", "1", "--checkpoint-async", "--resume", "auto", "--keep-checkpoints", "2"],
-        tmp_path / "out",
-        data,
-        restarts=1,
-        url=url,
-        env={"PXT_ACTIONS": "0:kill@3:1"},
-    )
-    assert rc == 0, output[-4000:]
+    args = ["--checkpoint-every", "1", "--checkpoint-async", "--resume", "auto", "--keep-checkpoints", "2"]
+    faults: list[str] = []
+
+    def committed(step: int, proc: subprocess.Popen[str]) -> bool:
+        """Wait until step's checkpoint is complete in the store; False if the job ended first."""
+        while proc.poll() is None:
+            if store.keys(bucket, f"run/checkpoints/step-{step:08d}/commit.json"):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def store_faults(proc: subprocess.Popen[str]) -> None:
+        if committed(4, proc):  # attempt 1's first checkpoint (attempt 0 died after step 3)
+            store.freeze(3.0)
+            faults.append("slow")
+        if committed(6, proc):
+            store.halt()
+            faults.append("stopped")
+
+    try:
+        rc, output = job(
+            "torchrun",
+            args,
+            tmp_path / "out",
+            data,
+            restarts=1,
+            url=url,
+            env={"PXT_ACTIONS": "0:kill@3:1", "PXT_DELAY": "1:1.5"},
+            while_running=store_faults,
+        )
+    finally:
+        store.restart()
+    assert faults == ["slow", "stopped"], (faults, output[-3000:])
     assert "rank 1 attempt 0: SIGKILL after step 3" in output
     assert "(writing in the background)" in output and f"checkpoint {url}/checkpoints/step-00000002: complete" in output
     # Rank 1 died after step 3's update, with step 2's checkpoint still in flight (complete at the
     # earliest two steps after its save): step 1's, the latest complete one, is where attempt 1 starts.
     assert resumed_from(output) == ["step-00000001"], output[-3000:]
+    assert f"checkpoint {url}/checkpoints/step-00000005: complete" in output, (
+        "training did not go on past the slow store"
+    )
+    assert rc != 0, "the job ended normally with its store stopped"
+    errors = [line for line in output.splitlines() if "error: " in line and url in line]
+    assert errors and "failed" in errors[0], output[-3000:]
+    complete = sorted({k.split("/")[2] for k in store.keys(bucket, "run/checkpoints/") if k.endswith("/commit.json")})
+    assert complete and complete[-1] >= "step-00000006", complete
+
+    rc, output = job("torchrun", args, tmp_path / "again", data, url=url)
+    assert rc == 0, output[-4000:]
+    assert resumed_from(output) == [complete[-1]], output[-3000:]
     local = tmp_path / "fetched"
     local.mkdir()
     client = store.client()
