@@ -13,7 +13,7 @@ each cut the same way one dimension down.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -81,6 +81,30 @@ def chunked(run: torch.Tensor, shape: Sequence[int], start: int, every_rank: Seq
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor's notice that DTensor is its successor
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
+def copied(tensor: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``tensor`` with ``copy`` applied to it, or, a ``ShardedTensor``, to each of its local shards,
+    its global layout kept (each placement's device now the copies': DCP reads only the offsets)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+    if not isinstance(tensor, ShardedTensor):
+        return copy(tensor)
+    local = [(copy(s.tensor), s.metadata) for s in tensor.local_shards()]
+    device = local[0][0].device if local else torch.device("cpu")
+
+    def moved(m: ShardMetadata) -> ShardMetadata:
+        assert m.placement is not None  # every shard of ours is placed on a rank
+        return ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{m.placement.rank()}/{device}")
+
+    meta = tensor.metadata()
+    shards = [Shard(t, moved(m)) for t, m in local]
+    layout = ShardedTensorMetadata([moved(m) for m in meta.shards_metadata], meta.size, meta.tensor_properties)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's notice that DTensor is its successor
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, layout)
 
 
 def _rank() -> int:

@@ -29,7 +29,7 @@ from parallelx.bigmodels.export import Layout, Piece, TensorInfo, unique_state
 from parallelx.bigmodels.meta import Values, forget
 from parallelx.errors import ParallelxError
 from parallelx.parts import state as pure
-from parallelx.parts.stateio import keyed_like, named_parameters, plain_key, plain_keys
+from parallelx.parts.stateio import keyed_like, map_tensors, named_parameters, plain_key, plain_keys
 from parallelx.storage import Location
 
 
@@ -176,6 +176,19 @@ def clip_(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -
 def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's shards by name, for ``torch.distributed.checkpoint``: nothing is gathered."""
     return {"model": plain_keys(module.state_dict()), "optimizer": named_state(module, optimizer, whole=False)}
+
+
+def copy_shards(shards: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """:meth:`StateIO.copy_shards`: a DTensor's copy is one over ``copy`` of its local tensor, with its
+    spec (its mesh, placements and global shape): what DCP needs to write it, no collective, and the
+    copy stays where ``copy`` put it (``DTensor.from_local`` would move it to the mesh's device)."""
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            return DTensor(copy(x.to_local()), x._spec, requires_grad=False)
+        return copy(x)
+
+    return map_tensors(shards, one)
 
 
 def load_sharded_state(

@@ -37,7 +37,7 @@ import datetime as _dt
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -71,11 +71,12 @@ from parallelx.parts.state import (
     named_from_indexed,
     named_optimizer_state,
 )
-from parallelx.parts.stateio import StateIO, Unwrap, keyed_like, named_parameters
+from parallelx.parts.stateio import StateIO, Unwrap, keyed_like, map_tensors, named_parameters
 from parallelx.storage import Location
 from parallelx.strategies.process_group import ProcessGroupStrategy
 from parallelx.strategy import BackendSpec, Joined, Run, unwrap
 
+from . import _chunks as chunks
 from . import _deepspeed_shards as zero_shards
 from . import _deepspeed_zero as zero_state
 from ._allocator import after_first_step, return_freed_memory
@@ -774,6 +775,9 @@ class DeepSpeedStateIO(StateIO):
         extra = self.named_optimizer_state_extras(optimizer)
         found["optimizer"].update(extra)
         return found
+
+    def copy_shards(self, shards: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        return map_tensors(shards, lambda t: chunks.copied(t, copy))
 
     def load_sharded_state(
         self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]

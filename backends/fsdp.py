@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -205,6 +205,9 @@ class FSDPStateIO(StateIO):
 
     def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
         return fsdp_state.sharded_state(self.unwrap(model), optimizer) if self.sharded_checkpoints else None
+
+    def copy_shards(self, shards: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        return fsdp_state.copy_shards(shards, copy)
 
     def load_sharded_state(
         self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]

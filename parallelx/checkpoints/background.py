@@ -32,20 +32,23 @@ and the store's uploads, which release the GIL (measured in docs/checkpoints.md)
 
 from __future__ import annotations
 
+import datetime as _dt
 import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from parallelx.errors import ParallelxError, first_line
+from parallelx.parts.stateio import map_tensors
 from parallelx.storage import Location, show
 
 if TYPE_CHECKING:
     from parallelx.backend import Backend
 
-__all__ = ["PendingSave", "pending", "poll", "stage", "wait"]
+__all__ = ["PendingSave", "pending", "poll", "stage", "wait", "writer_group"]
 
 #: Flags per rank, in the order they are reduced (summed) over the ranks.
 WRITTEN, WRITE_FAILED, PUBLISHED, PUBLISH_FAILED = range(4)
@@ -53,35 +56,46 @@ FLAGS = 4
 
 # The save in flight of each backend (one at most: a save waits for the previous one).
 _PENDING: weakref.WeakKeyDictionary[Any, PendingSave] = weakref.WeakKeyDictionary()
+# Each backend's process group for background writes (writer_group).
+_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def stage(obj: Any) -> Any:
+def stage(obj: Any, copies: Callable[[Any, Callable[[torch.Tensor], torch.Tensor]], Any] | None = None) -> Any:
     """``obj`` with every tensor copied into CPU memory that nothing else holds: what the
     background writer writes, whatever the training does next.  From a GPU into pinned
-    memory, then one synchronisation (the copies run asynchronously until then)."""
+    memory, then one synchronisation (the copies run asynchronously until then).
+    ``copies(obj, copy)`` applies ``copy`` to each tensor's memory where ``obj`` holds
+    sharded tensors (a backend's :meth:`StateIO.copy_shards`); by default every tensor is copied whole."""
     cuda = False
 
-    def copy(x: Any) -> Any:
+    def copy(x: torch.Tensor) -> torch.Tensor:
         nonlocal cuda
-        if isinstance(x, torch.Tensor):
-            x = x.detach()
-            if x.device.type == "cuda":
-                cuda = True
-                out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-                return out.copy_(x, non_blocking=True)
-            return x.to("cpu", copy=True)
-        if isinstance(x, dict):
-            return {k: copy(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [copy(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(copy(v) for v in x)
-        return x
+        x = x.detach()
+        if x.device.type == "cuda":
+            cuda = True
+            out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+            return out.copy_(x, non_blocking=True)
+        return x.to("cpu", copy=True)
 
-    out = copy(obj)
+    out = (copies or map_tensors)(obj, copy)
     if cuda:
         torch.cuda.synchronize()
     return out
+
+
+def writer_group(backend: Backend) -> Any:
+    """A process group of the backend's ranks for the collectives of a sharded checkpoint's write
+    (DCP's plans and index) in the background: a group of its own (Gloo, whose collectives run on
+    the CPU), so they never interleave with the training's on the default group.  Made once per
+    backend, the first time a save needs it (a collective: every rank saves at the same step);
+    None without torch.distributed (DCP then writes without collectives)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    group = _GROUPS.get(backend)
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=backend.run.timeout_s))
+        _GROUPS[backend] = group
+    return group
 
 
 class PendingSave:

@@ -42,9 +42,10 @@ from parallelx.storage import Location
 SHARDS = "shards"
 
 
-def write(shards: dict[str, Any], directory: Path) -> None:
+def write(shards: dict[str, Any], directory: Path, group: Any = None) -> None:
     """Write this rank's ``{"model": ..., "optimizer": {"state": ...}}`` shards
-    under ``directory/shards``.  A collective: every rank calls it."""
+    under ``directory/shards``.  A collective: every rank calls it, over ``group`` (by default
+    the default group; an asynchronous save's writer thread passes one of its own)."""
     import torch.distributed.checkpoint as dcp
 
     # The param groups too (each parameter by its name), as torch's get_optimizer_state_dict gives them: plain
@@ -54,7 +55,7 @@ def write(shards: dict[str, Any], directory: Path) -> None:
     with warnings.catch_warnings(), dcp_errors(f"writing the shards into {directory}"):
         # ZeRO's runs are ShardedTensors: DCP's notice that DTensor succeeds them.
         warnings.filterwarnings("ignore", message="Please use DTensor instead")
-        dcp.save(tensors, checkpoint_id=str(directory / SHARDS))
+        dcp.save(tensors, checkpoint_id=str(directory / SHARDS), process_group=group)
 
 
 @contextlib.contextmanager
@@ -72,12 +73,12 @@ def dcp_errors(what: str) -> Iterator[None]:
         raise ParallelxError(f"{what} failed (rank {rank}: {type(cause).__name__}: {first_line(cause)})") from None
 
 
-def stage(shards: dict[str, Any]) -> Path:
+def stage(shards: dict[str, Any], group: Any = None) -> Path:
     """Write this rank's shards into a local staging folder of its own (a collective, as
     :func:`write`), for :func:`upload` to put in a store: the folder holding them."""
     staging = Path(tempfile.mkdtemp(prefix="parallelx-shards-"))
     try:
-        write(shards, staging)
+        write(shards, staging, group)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

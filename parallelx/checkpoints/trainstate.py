@@ -265,32 +265,29 @@ def save_training_state(
             state.update(models=model_states, optimizers=optim_states, schedulers=scheduler_states)
             state["samplers"] = sampler_states
 
-    if asynchronous and shards and not isinstance(root, str):
-        # DCP's writes are collectives of their own, which a background thread cannot run beside the training's.
-        # (To a store, the shards are staged on the local disk now and uploaded in the background.)
-        log.warn(
-            "--checkpoint-async: sharded checkpoints (--fsdp-sharded-checkpoints, --zero-sharded-checkpoints) to a "
-            "local folder are written before the step goes on; those to a store are uploaded in the background, and "
-            "so are the whole-tensor checkpoints"
-        )
-        asynchronous = False
+    group = None
     if asynchronous:  # what the writer writes: copies no later update can reach
+        # DCP's writes of the shards are collectives: the writer thread runs them over a group of its own.
+        group = background.writer_group(backend) if shards else None
         staged = None
         try:
             # Every tensor copied, those the state parts gave too: some of them share memory with a live
             # tensor (a buffer, an optimizer's state on the CPU), which the next steps update in place.
             rng = background.stage(plain(rng))
             state = None if state is None else background.stage(plain(state))
+            # The shards: each rank's local part, its layout kept (DTensor, ZeRO's runs), so DCP writes them later.
+            shards = {key: background.stage(found, io.copy_shards) for key, found in shards.items()}
         except Exception as exc:  # a state that cannot be stored, or no memory to stage it in: on every rank
             staged = f"staging the checkpoint failed on rank {backend.rank}: {first_line(exc)}"
         _agree(backend, staged)
 
     if isinstance(root, str):
-        # Every rank's shards into a local staging folder of its own (DCP's collective), for the upload.
+        # Every rank's shards into a local staging folder of its own (DCP's collective), for the upload;
+        # an asynchronous save's writer does it, from the copies.
         local_shards: dict[str, Path] = {}
         mine = None
         try:
-            for key, found in shards.items():
+            for key, found in shards.items() if not asynchronous else ():
                 local_shards[key] = sharded.stage(found)
         except Exception as exc:  # a full staging disk: on every rank, the previous checkpoint stays the latest
             mine = f"staging the sharded checkpoint failed on rank {backend.rank}: {first_line(exc)}"
@@ -300,12 +297,15 @@ def save_training_state(
             for folder in local_shards.values():
                 sharded.discard(folder)
             raise
-        uploads = {
-            f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}": f
-            for key, f in local_shards.items()
-        }
+
+        def in_store(key: str) -> str:
+            return f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}"
+
+        uploads: dict[str, Path | dict[str, Any]] = {in_store(k): f for k, f in local_shards.items()}
+        if asynchronous:
+            uploads = {in_store(k): found for k, found in shards.items()}
         # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
-        return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous, uploads)
+        return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous, uploads, group)
 
     # Rank 0 makes the temporary directory; every rank writes its files into it.
     tmp, error = None, None
@@ -327,6 +327,11 @@ def save_training_state(
         if state is not None:
             _write(plain(state), tmp_dir / STATE_FILE)
 
+    def write_all() -> None:  # an asynchronous save's writer: the shards' copies (DCP, over its group), then the files
+        for key, found in shards.items():
+            sharded.write(found, tmp_dir / PARTS_DIR / key if parts.named else tmp_dir, group)
+        write_files()
+
     def publish() -> None:  # rank 0, once every rank's files are on disk: the rename, then `latest`
         checkpoint.fsync_dir(tmp_dir)
         _publish(tmp_dir, final)
@@ -334,7 +339,7 @@ def save_training_state(
         _prune(root, keep, name)
 
     if asynchronous:
-        return _in_background(backend, final, step, write_files, publish)
+        return _in_background(backend, final, step, write_all, publish)
     mine = None
     try:
         for key, found in shards.items():  # every rank writes its own shards (a collective)
@@ -711,12 +716,14 @@ def _save_to_store(
     keep: int,
     step: int,
     asynchronous: bool,
-    staged: dict[str, Path],
+    staged: dict[str, Path | dict[str, Any]],
+    group: Any,
 ) -> str:
     """Write a checkpoint into an object store, which has no rename: every rank puts its files
-    under the final name (its staged shards first: folder in the store -> local staging folder),
-    and rank 0 writes the commit record once all have, then ``latest``.  Until then no reader
-    takes it (:func:`is_complete`), and a crash leaves it incomplete."""
+    under the final name (its shards first: folder in the store -> the local staging folder they
+    were written to, or, asynchronous, their copies in memory, written to one by the writer over
+    ``group``), and rank 0 writes the commit record once all have, then ``latest``.  Until then no
+    reader takes it (:func:`is_complete`), and a crash leaves it incomplete."""
     final = f"{root}/{name}"
     error = None
     if backend.is_main():
@@ -730,12 +737,13 @@ def _save_to_store(
     error = backend.broadcast(error, src=0)
     if error is not None:
         for local in staged.values():
-            sharded.discard(local)
+            if isinstance(local, Path):
+                sharded.discard(local)
         raise ParallelxError(error)
 
     def write_files() -> None:
         for folder, local in staged.items():
-            sharded.upload(local, folder)
+            sharded.upload(local if isinstance(local, Path) else sharded.stage(local, group), folder)
         storage.save(plain(rng), f"{final}/rng-rank{backend.rank}.pt")
         if state is not None:
             storage.save(plain(state), f"{final}/{STATE_FILE}")

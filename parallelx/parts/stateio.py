@@ -57,6 +57,19 @@ def named_parameters(module: nn.Module) -> dict[int, str]:
     return {id(p): plain_key(n) for n, p in module.named_parameters()}
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in its dicts, lists and tuples (new containers)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    return obj
+
+
 class StateIO:
     """Whole state, on a backend that keeps every tensor whole on every rank."""
 
@@ -158,6 +171,13 @@ class StateIO:
         when the backend writes sharded training-state checkpoints
         (:mod:`parallelx.checkpoints.sharded`); None: whole tensors in ``state.pt``."""
         return None
+
+    def copy_shards(self, shards: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """What :meth:`sharded_state` gave, with the memory of every tensor in it replaced by ``copy``'s
+        (a plain tensor's whole; a sharded tensor's local part, its global layout kept): an asynchronous
+        checkpoint writes these copies in the background while the live tensors train on.  New dicts
+        and lists throughout, so no later change of a live one reaches them either."""
+        return map_tensors(shards, copy)
 
     def load_sharded_state(
         self, model: nn.Module, optimizer: Any, directory: Location, saved: Mapping[str, Any]

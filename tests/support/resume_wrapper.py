@@ -17,7 +17,8 @@ the environment:
                             (the file is half written, not yet published);
                  ``val``    SIGKILL at the start of its k-th validation pass.
 ``PXT_DELAY``    seconds to sleep after every optimizer step (so that a test
-                 can act from outside while the job runs).
+                 can act from outside while the job runs); ``attempt:seconds``
+                 in that attempt only.
 ``PXT_SAMPLES``  a folder: each rank appends the dataset indices it trains on there
                  (with loader workers the sampler runs ahead of training: use it
                  with ``--num-workers 0``).
@@ -55,7 +56,16 @@ def _actions() -> dict[str, int]:
 
 
 ACTIONS = _actions()
-DELAY = float(os.environ.get("PXT_DELAY", "0"))
+
+
+def _delay() -> float:
+    """``PXT_DELAY``'s seconds for this attempt (``attempt:seconds``: that attempt's only)."""
+    value = os.environ.get("PXT_DELAY", "0")
+    attempt, _, seconds = value.rpartition(":")
+    return float(seconds) if not attempt or int(attempt) == ATTEMPT else 0.0
+
+
+DELAY = _delay()
 _count = {"step": 0, "write": 0, "val": 0}
 
 

@@ -69,6 +69,8 @@ class Store:
     directory: Path
     process: subprocess.Popen[bytes]
     buckets: list[str] = field(default_factory=list)
+    #: the command that started it (a restart runs it again: the same ports, the same data)
+    args: list[str] = field(default_factory=list)
 
     def env(self, **override: str) -> dict[str, str]:
         """The variables that point a process at this store (as a user sets them)."""
@@ -103,6 +105,33 @@ class Store:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
+    def freeze(self, seconds: float) -> None:
+        """Stop answering for ``seconds`` (the process stopped, its connections held open): a slow store."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.killpg(self.process.pid, signal.SIGCONT)
+
+    def halt(self) -> None:
+        """Stop the server (every connection refused), keeping its data for :meth:`restart`."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start the halted server again, on its ports, with its data; return once its S3 API answers."""
+        if self.process.poll() is None:
+            return
+        with open(self.directory / "weed.log", "ab") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory, start_new_session=True
+            )
+        _wait_until_answering(self, timeout)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -134,19 +163,24 @@ def start(timeout: float = 60.0) -> Store:
     (directory / "data").mkdir()
     log = open(directory / "weed.log", "wb")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=directory, start_new_session=True)
-    store = Store(f"http://127.0.0.1:{ports['s3.port']}", directory, process)
+    store = Store(f"http://127.0.0.1:{ports['s3.port']}", directory, process, args=args)
+    _wait_until_answering(store, timeout)
+    return store
+
+
+def _wait_until_answering(store: Store, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if store.process.poll() is not None:
             break
         try:
             store.client().list_buckets()
-            return store
+            return
         except Exception as exc:  # not up yet
             last = exc
             time.sleep(0.3)
-    text = (directory / "weed.log").read_text(errors="replace")[-2000:]
+    text = (store.directory / "weed.log").read_text(errors="replace")[-2000:]
     store.stop()
     raise RuntimeError(f"weed mini did not answer in {timeout:.0f} s ({last}); its log ends:\n{text}")
 

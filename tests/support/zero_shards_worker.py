@@ -9,13 +9,15 @@ launchers (tests/launcher/test_zero_shards.py).
 Without ``--load`` (each ZeRO stage of ``--stages``, one launch): A trains SAVE_AT steps, saves (each rank
 its partitions), trains MORE; B (other initial weights) loads A's checkpoint and trains MORE.  With
 ``--load``: B continues that checkpoint (another engine's, another world size), then saves its own.
-Rank 0 writes ``result.pt``: the whole state A saved (gathered, for the comparison only), the state B
+``--async-stages``: A's save of those stages is asynchronous, and its shards are written only after
+A has trained on (the write held).  Rank 0 writes ``result.pt``: the whole state A saved (gathered, for the comparison only), the state B
 loaded, both runs' final weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,21 @@ from trainstate_worker import MORE, SAVE_AT, Run
 from worker_cases import add_stages, stage_runs
 
 import parallelx
+from parallelx.checkpoints import sharded
+
+
+def held_shard_writes() -> tuple[threading.Event, list[str]]:
+    """Every sharded write waits for the returned event (a slow disk), and records the thread it ran on."""
+    go, threads = threading.Event(), []
+    write = sharded.write
+
+    def slow(*args: Any) -> None:
+        threads.append(threading.current_thread().name)
+        assert go.wait(120), "the worker never released the write"
+        write(*args)
+
+    sharded.write = slow  # type: ignore[assignment]
+    return go, threads
 
 
 def whole(backend: parallelx.Backend, run: Run) -> dict[str, Any]:
@@ -37,6 +54,7 @@ def main() -> int:
     parallelx.add_arguments(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--load", type=Path, default=None, help="continue this checkpoint")
+    p.add_argument("--async-stages", type=int, nargs="*", default=(), help="these stages' first save asynchronous")
     add_stages(p)
     args, _ = p.parse_known_args()
     for out, options in stage_runs(args):
@@ -47,8 +65,16 @@ def main() -> int:
                 a = Run(backend, "adamw", dropout=0.0, noise=False)
                 a.train(SAVE_AT)
                 result["saved"] = whole(backend, a)
-                path = a.save(out / "run")
-                a.train(MORE)
+                if options.get("zero_stage") in args.async_stages:
+                    # In the background, written only once A has trained on: the copies must be what is written.
+                    go, result["writer_threads"] = held_shard_writes()
+                    path = a.save(out / "run", asynchronous=True)
+                    a.train(MORE)
+                    go.set()
+                    parallelx.wait_for_checkpoint(backend)
+                else:
+                    path = a.save(out / "run")
+                    a.train(MORE)
                 result["A"] = a.weights()
             else:
                 path = args.load

@@ -161,3 +161,40 @@ def test_the_backends_shutdown_completes_a_save_in_flight(tmp_path, monkeypatch)
         path = run.save(tmp_path, asynchronous=True)
         threading.Timer(0.3, go.set).start()
     assert latest_checkpoint(tmp_path) == path and is_complete(path)
+
+
+def test_fsdp_sharded_async_save_writes_the_copies_while_the_training_goes_on(tmp_path, monkeypatch):
+    """fsdp's shards (DTensors), a world of one in this process: the save returns once each local shard is
+    copied; DCP writes the copies on the writer thread, after the training has changed every weight and
+    moment.  (ZeRO's runs, and two ranks: tests/launcher/test_zero_shards.py.)"""
+    from parallelx.checkpoints import sharded
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # the world of one sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with parallelx.get_backend("fsdp", sharded_checkpoints=True) as backend:
+        run = Run(backend, "adamw")
+        run.train(2)
+        at_save = {k: v.clone() for k, v in run.weights().items()}
+        moments = backend.named_optimizer_state(run.model, run.optimizer)["state"]
+        go, threads = threading.Event(), []
+        write = sharded.write
+
+        def held(*args):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            assert go.wait(30), "the test never released the write"
+            write(*args)
+
+        monkeypatch.setattr(sharded, "write", held)
+        path = run.save(tmp_path, asynchronous=True)
+        run.train(3)
+        assert any(not torch.equal(at_save[k], v) for k, v in run.weights().items())
+        assert not is_complete(path)
+        go.set()
+        parallelx.wait_for_checkpoint(backend)
+        assert threads == ["parallelx-checkpoint"] and is_complete(path)
+        weights, optim = sharded.read_whole(path)
+        assert all(torch.equal(weights[k], at_save[k]) for k in at_save), "a later update reached the shards"
+        for name, entry in moments.items():
+            for key, value in entry.items():
+                assert torch.equal(optim[name][key], value), f"a later update reached {name}'s {key}"
