@@ -9,9 +9,13 @@ the secret), and ``backend.save`` / ``load`` through a URL."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
-from launching import launch, require_launcher
+from launching import BIN, ROOT, launch, launcher_for, require_launcher
 from store import SECRET_KEY
 from trainstate_worker import Run
 
@@ -19,6 +23,7 @@ import parallelx
 from parallelx import ParallelxError, storage
 from parallelx.bigmodels.formats import INDEX
 from parallelx.checkpoints.trainstate import COMMIT, is_complete, latest_checkpoint
+from parallelx.launching.launchers import free_port
 from recipes.models import GPT, GPTConfig
 
 
@@ -98,6 +103,59 @@ def test_save_and_resume_auto_from_the_store_under_torchrun(s3_env, tmp_path, na
         info = c.load(f"{url}/checkpoints/step-00000003")
         assert info["counters"]["global_step"] == 3
         assert all(torch.equal(c.weights()[k], r["at_3"][k]) for k in r["at_3"]), "a world of one read the store"
+
+
+def _tmpfs_in_a_mount_namespace() -> str | None:
+    """Why a launch cannot run with a small tmpfs of its own as its temporary directory, or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+        capture_output=True,
+        text=True,
+    )
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs in a mount namespace: {probe.stderr.strip()}"
+
+
+@pytest.mark.scenario
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_a_full_staging_disk_fails_the_save_on_every_rank_and_the_last_checkpoint_resumes(s3_env, tmp_path):
+    """fsdp's sharded checkpoints into the store, in the background, under torchrun, the ranks' temporary
+    directory (where the shards are staged before their upload) a 16 MiB tmpfs of the launch's own
+    mount namespace.  After the worker's checkpoints the disk is filled and one more save made: it fails
+    on every rank with one line naming the checkpoint and the cause; the latest complete checkpoint stays
+    the previous one, and a fresh run resumes it to the uninterrupted run's bits (the worker's B)."""
+    why = _tmpfs_in_a_mount_namespace()
+    if why is not None:
+        pytest.skip(why)
+    require_launcher("torchrun")
+    store, bucket = s3_env
+    url = f"s3://{bucket}/run"
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    worker = ["tests/support/store_worker.py", *STORE_RUNS["fsdp-sharded"], "--url", url, "--out", str(tmp_path)]
+    cmd = launcher_for("torchrun").command([*worker, "--full-disk"], 2, port=free_port())
+    mounted = f'mount -t tmpfs -o size=16m tmpfs {staging} && exec "$@"'
+    env = {**os.environ, **store.env(), "TMPDIR": str(staging), "PARALLELX_TIMEOUT": "120", "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", mounted, "sh", *cmd],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    r = torch.load(tmp_path / "result.pt", weights_only=True)
+    error = r["full_disk"]
+    assert "\n" not in error and f"checkpoint {url}/checkpoints/step-00000005 was not completed" in error, error
+    assert "No space left on device" in error and "rank 0" in error and "rank 1" in error, error
+    assert r["found"] == f"{url}/checkpoints/step-00000003", "the failed save was taken"
+    assert all(torch.equal(r["A"][k], r["B"][k]) for k in r["A"]), "resumed from the store, the weights differ"
+    assert not store.keys(bucket, "run/checkpoints/step-00000005/commit.json")
 
 
 @pytest.mark.scenario
