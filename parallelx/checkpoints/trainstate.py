@@ -282,28 +282,8 @@ def save_training_state(
         _agree(backend, staged)
 
     if isinstance(root, str):
-        # Every rank's shards into a local staging folder of its own (DCP's collective), for the upload;
-        # an asynchronous save's writer does it, from the copies.
-        local_shards: dict[str, Path] = {}
-        mine = None
-        try:
-            for key, found in shards.items() if not asynchronous else ():
-                local_shards[key] = sharded.stage(found)
-        except Exception as exc:  # a full staging disk: on every rank, the previous checkpoint stays the latest
-            mine = f"staging the sharded checkpoint failed on rank {backend.rank}: {first_line(exc)}"
-        try:
-            _agree(backend, mine)
-        except ParallelxError:
-            for folder in local_shards.values():
-                sharded.discard(folder)
-            raise
-
-        def in_store(key: str) -> str:
-            return f"{root}/{name}/{PARTS_DIR}/{key}" if parts.named else f"{root}/{name}"
-
-        uploads: dict[str, Path | dict[str, Any]] = {in_store(k): f for k, f in local_shards.items()}
-        if asynchronous:
-            uploads = {in_store(k): found for k, found in shards.items()}
+        # Each model's shards go under its own folder in the store (the writer stages them on the local disk).
+        uploads = {f"{root}/{name}/{PARTS_DIR}/{k}" if parts.named else f"{root}/{name}": v for k, v in shards.items()}
         # Kept by the store itself: no environment's copy of a local folder (Ray Train's) to make.
         return _save_to_store(backend, root, name, rng, state, keep, step, asynchronous, uploads, group)
 
@@ -716,14 +696,14 @@ def _save_to_store(
     keep: int,
     step: int,
     asynchronous: bool,
-    staged: dict[str, Path | dict[str, Any]],
+    shards: dict[str, dict[str, Any]],
     group: Any,
 ) -> str:
     """Write a checkpoint into an object store, which has no rename: every rank puts its files
-    under the final name (its shards first: folder in the store -> the local staging folder they
-    were written to, or, asynchronous, their copies in memory, written to one by the writer over
-    ``group``), and rank 0 writes the commit record once all have, then ``latest``.  Until then no
-    reader takes it (:func:`is_complete`), and a crash leaves it incomplete."""
+    under the final name (its shards first, ``shards``: folder in the store -> this rank's shards,
+    written by DCP into a local staging folder over ``group``, then uploaded), and rank 0 writes the
+    commit record once all have, then ``latest``.  Until then no reader takes it
+    (:func:`is_complete`), and a crash leaves it incomplete."""
     final = f"{root}/{name}"
     error = None
     if backend.is_main():
@@ -736,14 +716,11 @@ def _save_to_store(
             error = str(exc)
     error = backend.broadcast(error, src=0)
     if error is not None:
-        for local in staged.values():
-            if isinstance(local, Path):
-                sharded.discard(local)
         raise ParallelxError(error)
 
     def write_files() -> None:
-        for folder, local in staged.items():
-            sharded.upload(local if isinstance(local, Path) else sharded.stage(local, group), folder)
+        for folder, found in shards.items():  # DCP's collective over group, on every rank; a full disk ends it on all
+            sharded.upload(sharded.stage(found, group), folder)
         storage.save(plain(rng), f"{final}/rng-rank{backend.rank}.pt")
         if state is not None:
             storage.save(plain(state), f"{final}/{STATE_FILE}")
