@@ -315,8 +315,7 @@ def save_training_state(
     def publish() -> None:  # rank 0, once every rank's files are on disk: the rename, then `latest`
         checkpoint.fsync_dir(tmp_dir)
         _publish(tmp_dir, final)
-        _write_latest(root, name)
-        _prune(root, keep, name)
+        _after_publish(root, name, keep)
 
     if asynchronous:
         return _in_background(backend, final, step, write_all, publish)
@@ -360,25 +359,32 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Location | None:
     """The newest complete checkpoint under ``directory/checkpoints/``, or None.
 
     ``latest`` names it; a half-written checkpoint is never complete
-    (:func:`is_complete`), so it is never returned.  When ``latest`` is missing
-    or names a checkpoint that is gone, the highest step present is taken, with
-    a warning.  ``directory`` may be a URL (``s3://bucket/run``): a missing
+    (:func:`is_complete`), so it is never returned.  When ``latest`` is missing,
+    names a checkpoint that is gone, or an older one than the newest complete one
+    (a publishing stopped between the commit and ``latest``), the newest complete
+    one is taken, with a warning.  ``directory`` may be a URL (``s3://bucket/run``): a missing
     bucket or a refused key is an error here, not a fresh start."""
     root = storage.join(storage.location(directory), SUBDIR)
     if isinstance(root, Path) and not root.is_dir():  # the copy a scheduler restarted this run with, if any
         return detect_environment().restored_checkpoint()
     storage.probe(root)
     pointer = storage.join(root, LATEST)
+    found = _complete(root)
+    newest = found[-1][1] if found else None
     if storage.is_file(pointer):
         name = storage.read_bytes(pointer).decode(errors="replace").strip()
-        if _STEP_DIR.match(name) and is_complete(storage.join(root, name)):
-            return storage.join(root, name)
-        log.warn(
-            f"{storage.show(pointer)} names {name!r}, which is not a complete checkpoint; taking the newest one present"
-        )
-    found = _complete(root)
-    if found:
-        return found[-1][1]
+        if newest is not None and name == storage.name(newest):
+            return newest
+        if not (_STEP_DIR.match(name) and is_complete(storage.join(root, name))):
+            log.warn(
+                f"{storage.show(pointer)} names {name!r}, which is not a complete checkpoint; taking the newest one"
+            )
+        elif newest is not None:  # its publishing stopped between the checkpoint's commit and `latest`
+            log.warn(
+                f"{storage.show(pointer)} names {name!r}, but {storage.name(newest)} is newer and complete; taking it"
+            )
+    if newest is not None:
+        return newest
     return detect_environment().restored_checkpoint() if isinstance(root, Path) else None
 
 
@@ -664,6 +670,20 @@ def _write_latest(root: Location, name: str) -> None:
     storage.write_text(storage.join(root, LATEST), f"{name}\n")
 
 
+def _after_publish(root: Location, name: str, keep: int) -> None:
+    """``latest``, then the retention, once checkpoint ``name`` is complete.  Neither can make it less
+    complete: a failure is a warning (a stale ``latest`` loses to the newest complete checkpoint in
+    :func:`latest_checkpoint`; the next save prunes again), never the save's failure."""
+    try:
+        _write_latest(root, name)
+        _prune(root, keep, name)
+    except Exception as exc:
+        log.warn(
+            f"checkpoint {storage.show(storage.join(root, name))} is complete, but updating `latest` or removing "
+            f"older checkpoints failed ({type(exc).__name__}: {first_line(exc)}); the next save tries again"
+        )
+
+
 def _complete(root: Location) -> list[tuple[int, Location]]:
     """The complete checkpoints under ``root``, by step."""
     found = []
@@ -728,8 +748,7 @@ def _save_to_store(
     def publish() -> None:  # rank 0, once every rank's files are in the store: the commit record, then `latest`
         record = {"name": name, "world_size": backend.world_size, "time": time.time()}
         storage.write_text(f"{final}/{COMMIT}", json.dumps(record) + "\n")
-        _write_latest(root, name)
-        _prune(root, keep, name)
+        _after_publish(root, name, keep)
 
     if asynchronous:
         return str(_in_background(backend, final, step, write_files, publish))

@@ -117,6 +117,34 @@ def test_leftovers_of_a_crashed_write_are_ignored(backend, tmp_path):
     assert not torn.exists(), "leftovers are removed after the next complete save"
 
 
+def test_a_failure_after_the_publish_is_a_warning_and_the_newest_complete_one_is_taken(
+    backend, tmp_path, monkeypatch, capsys
+):
+    """Once a checkpoint is complete (renamed into place, or its commit record written), `latest` and the
+    retention cannot make it less so: their failure (a store gone right after the commit) is a warning,
+    the save succeeds, and ``latest_checkpoint`` takes the newest complete checkpoint over a stale
+    ``latest``."""
+    from parallelx.checkpoints import trainstate
+
+    a = Run(backend, "sgd")
+    a.train(1)
+    first = a.save(tmp_path)
+    write_latest = trainstate._write_latest
+
+    def gone(root, name):  # type: ignore[no-untyped-def]
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(trainstate, "_write_latest", gone)
+    a.train(1)
+    second = a.save(tmp_path)
+    err = capsys.readouterr().err
+    assert "step-00000002 is complete, but updating `latest` or removing older checkpoints failed" in err, err
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == first.name  # stale
+    assert latest_checkpoint(tmp_path) == second
+    assert "is newer and complete; taking it" in capsys.readouterr().err
+    monkeypatch.setattr(trainstate, "_write_latest", write_latest)
+
+
 def _one_line_error(exc: pytest.ExceptionInfo) -> str:
     msg = str(exc.value)
     assert "\n" not in msg, f"not one line: {msg!r}"
