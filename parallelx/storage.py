@@ -23,7 +23,8 @@ s3fs).  Credentials and the endpoint come from where the AWS tools read them:
 S3-compatible store; never from a command line, and no message here holds a
 secret.  A refused key or a missing bucket is a :class:`StoreError` at once,
 naming the URL and the cause; other failures (a dropped connection, a store
-that answers 503) are tried again, a bounded number of times.
+that answers 503) are tried again, a bounded number of times (5, waiting 7.5 s in all;
+``PARALLELX_STORE_ATTEMPTS`` sets another).
 """
 
 from __future__ import annotations
@@ -59,9 +60,24 @@ _PACKAGES = {
     "abfs": ("adlfs", "pip install adlfs"),
     "abfss": ("adlfs", "pip install adlfs"),
 }
-#: Tries of one operation on a store, and the first wait between two (doubled each time, at most 8 s).
+#: Tries of one operation on a store (``PARALLELX_STORE_ATTEMPTS`` sets another number), and the first
+#: wait between two (doubled each time, at most 8 s): 5 tries wait 7.5 s in all.
 ATTEMPTS = 5
 FIRST_WAIT_S = 0.5
+
+
+def attempts() -> int:
+    """How many times one operation on a store is tried: ``$PARALLELX_STORE_ATTEMPTS`` or :data:`ATTEMPTS`."""
+    raw = os.environ.get("PARALLELX_STORE_ATTEMPTS")
+    if raw is None:
+        return ATTEMPTS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ParallelxError(f"PARALLELX_STORE_ATTEMPTS must be a whole number >= 1, got {raw!r}")
+    return value
 
 
 class StoreError(ParallelxError):
@@ -178,7 +194,8 @@ def _permanent(exc: BaseException) -> str | None:
 def _call(url: str, what: str, op: Callable[[], T]) -> T:
     """``op`` on the store, tried again on a transient failure; FileNotFoundError goes to the caller."""
     wait = FIRST_WAIT_S
-    for attempt in range(1, ATTEMPTS + 1):
+    tries = attempts()
+    for attempt in range(1, tries + 1):
         try:
             return op()
         except FileNotFoundError:
@@ -187,9 +204,9 @@ def _call(url: str, what: str, op: Callable[[], T]) -> T:
             cause = _permanent(exc)
             if cause is not None:
                 raise StoreError(f"{what} {show(url)} failed: {cause}") from None
-            if attempt == ATTEMPTS:
+            if attempt == tries:
                 raise StoreError(
-                    f"{what} {show(url)} failed {ATTEMPTS} times ({type(exc).__name__}: {first_line(exc)})"
+                    f"{what} {show(url)} failed {tries} times ({type(exc).__name__}: {first_line(exc)})"
                 ) from None
             log.warn(f"{what} {show(url)}: {type(exc).__name__}: {first_line(exc)}; trying again in {wait:.1f} s")
             time.sleep(wait)

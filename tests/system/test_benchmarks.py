@@ -20,6 +20,9 @@ from launching import run_with_grace
 
 from benchmarks.launch import unavailable
 
+# The benchmarks' own rehearsals (a dozen launches, 5 minutes here): make test-matrix, kept out of CI's
+# scenarios for CI's time (docs/testing.md); parallelx against the plain scripts, to the bit, is
+# tests/launcher/test_parity.py's, in make test.
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(420)]
 
 RUN_TIMEOUT_S = 360
@@ -61,7 +64,7 @@ def smoke(tmp_path_factory):
     return out / "results", json.loads((out / "raw.json").read_text())
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_writes_markdown_and_a_compact_summary(smoke):
     results_dir, result = smoke
     assert sorted(p.name for p in results_dir.iterdir()) == ["results.md", "summary.json"]
@@ -74,7 +77,7 @@ def test_writes_markdown_and_a_compact_summary(smoke):
     assert {c["impl"] for c in summary["comparisons"]} >= {"px-ddp", "px-horovod", "px-deepspeed"}
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_each_process_is_pinned_to_its_own_cores(smoke):
     _, result = smoke
     machine = result["meta"]["machine"]
@@ -90,7 +93,7 @@ def test_each_process_is_pinned_to_its_own_cores(smoke):
         assert len(set(flat)) == len(flat), f"{r['impl']} {r['case_id']}: ranks share a core: {per_rank}"
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_every_backend_has_results(smoke):
     _, result = smoke
     nproc = result["meta"]["machine"]["nproc"]
@@ -103,7 +106,7 @@ def test_every_backend_has_results(smoke):
                 assert r["images_per_s"] > 0 and r["median_step_s"] > 0 and r["peak_rss_mib"] > 0
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_parallelx_final_weights_equal_the_plain_scripts(smoke):
     _, result = smoke
     nproc = result["meta"]["machine"]["nproc"]
@@ -116,7 +119,7 @@ def test_parallelx_final_weights_equal_the_plain_scripts(smoke):
         assert c["weights_passed"], f"{c['impl']} vs {c['baseline']} on {c['case_id']}: {c['max_abs_weight_diff']}"
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_control_runs_of_the_plain_scripts_repeat_them_exactly(smoke):
     # The same plain script twice: the ratio's noise floor, and a check that
     # the workload itself is deterministic (else parallelx's equality would mean little).
@@ -130,14 +133,14 @@ def test_control_runs_of_the_plain_scripts_repeat_them_exactly(smoke):
     assert same and all(c["baseline"] == "raw-ddp" and c["weights_equal"] for c in same), same
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 def test_overhead_and_scaling_are_reported(smoke):
     _, result = smoke
     assert all(c["ratio"] > 0 and c["how"] == "launches" for c in result["comparisons"])
     assert {s["impl"] for s in result["scaling"]} >= {"raw-ddp", "px-ddp"}
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 @pytest.mark.timeout(150)
 def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
     # benchmarks.loops at its smallest: the 1-process baseline and 2 DDP
@@ -175,7 +178,7 @@ def test_loop_options_benchmark_runs_the_real_loop(tmp_path):
         assert len(rep["window_times_s"]) == rep["case"]["steps"] // 4
 
 
-@pytest.mark.scenario
+@pytest.mark.matrix
 @pytest.mark.timeout(270)
 def test_activation_checkpointing_benchmark_runs_both_settings(tmp_path):
     # benchmarks.activations at its smallest, on ddp (fsdp applies checkpointing through the same

@@ -242,6 +242,33 @@ def test_locations():
     assert storage.show("s3://key:secret@b/run") == "s3://b/run"
 
 
+def test_a_transient_failure_is_tried_the_set_number_of_times(monkeypatch):
+    """A dropped connection is tried again, ``PARALLELX_STORE_ATTEMPTS`` times in all (waits doubled from
+    0.5 s), then one error naming the URL, the count and the cause; a bad setting is refused."""
+    waits: list[float] = []
+    monkeypatch.setattr(storage.time, "sleep", waits.append)
+    calls: list[int] = []
+
+    def dropped() -> None:
+        calls.append(1)
+        raise ConnectionError("Connection reset by peer")
+
+    monkeypatch.setenv("PARALLELX_STORE_ATTEMPTS", "3")
+    with pytest.raises(
+        storage.StoreError, match=r"reading s3://b/x failed 3 times \(ConnectionError: Connection reset"
+    ):
+        storage._call("s3://b/x", "reading", dropped)
+    assert len(calls) == 3 and waits == [0.5, 1.0]
+    monkeypatch.delenv("PARALLELX_STORE_ATTEMPTS")
+    calls.clear()
+    with pytest.raises(storage.StoreError, match="failed 5 times"):
+        storage._call("s3://b/x", "reading", dropped)
+    assert len(calls) == 5
+    monkeypatch.setenv("PARALLELX_STORE_ATTEMPTS", "zero")
+    with pytest.raises(ParallelxError, match="PARALLELX_STORE_ATTEMPTS must be a whole number >= 1, got 'zero'"):
+        storage._call("s3://b/x", "reading", dropped)
+
+
 def test_a_recipe_given_a_missing_bucket_stops_before_training_with_one_line(s3_env, tmp_path, capsys):
     """``--out-dir s3://<no such bucket>/run``: the recipe ends with exit status 2 and one line
     naming the URL and the cause, before any step (its data is read; no output is made)."""
