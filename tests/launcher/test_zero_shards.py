@@ -9,7 +9,7 @@ launchers: each rank writes only its own partitions, of the weights and of the o
   partition boundary falls on one), ``state.pt`` holds no tensor of the model or the optimizer, and a
   fresh run loads exactly what was saved and continues to the uninterrupted run's bits.
 - Across engines and world sizes: ZeRO-3's checkpoint at 2 -> fsdp at 4 (torchrun, its own slices
-  read), which trains on and saves its own -> a world of one (this process, the whole tensors): each
+  read), which trains on and saves its own -> ddp at a world of one (this process, the whole tensors): each
   load is exactly the state that was saved, bit for bit.  (Across world sizes the steps after a load
   differ by design: a step takes each rank's batch.  The same world size continues bitwise, above;
   across backends at one world size, tests/launcher/test_trainstate_launch.py.)
@@ -100,7 +100,7 @@ def test_each_rank_writes_its_partitions_and_a_resume_continues_bitwise(stage, t
 
 
 @pytest.mark.scenario  # a 4-process launch of its own; make test runs the stages' launch above
-def test_zero3_at_two_then_fsdp_at_four_then_a_world_of_one(tmp_path_factory):
+def test_zero3_at_two_then_fsdp_at_four_then_ddp_at_one(tmp_path_factory, monkeypatch):
     zero = torch.load(zero_run(tmp_path_factory) / "zero3" / "result.pt", weights_only=True)
     fsdp = torch.load(fsdp_run(tmp_path_factory) / "result.pt", weights_only=True)
     assert fsdp["world_size"] == 4 and fsdp["counters"]["global_step"] == 3
@@ -109,8 +109,11 @@ def test_zero3_at_two_then_fsdp_at_four_then_a_world_of_one(tmp_path_factory):
     assert max_diff(fsdp["loaded"]["model"], zero["saved"]["model"]) == 0.0
     assert max_diff(fsdp["loaded"]["optimizer"], zero["saved"]["optimizer"]) == 0.0
     assert max_diff(fsdp["B"], fsdp["saved_B"]["model"]) == 0.0 and max_diff(fsdp["B"], zero["A"]) > 0
-    # A world of one (ddp's arithmetic on one process) reads fsdp's sharded checkpoint whole.
-    with parallelx.get_backend("single") as single:
+    # ddp at a world of one (in this process) reads fsdp's sharded checkpoint whole.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # the world of one sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with parallelx.get_backend("ddp") as single:
         c = Run(single, "adamw", init_seed=5, dropout=0.0, noise=False)
         info = c.load(Path(fsdp["path_B"]))
         assert info["meta"]["backend"] == "fsdp" and info["meta"]["world_size"] == 4
