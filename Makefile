@@ -47,8 +47,9 @@ test-scenarios: setup
 	$(PY) -m pytest -n 2 --durations=20 --reruns 1 --only-rerun "$(RERUN_FAULTS)" -m scenario tests/launcher tests/system
 
 ## The rest of the grids whose representatives make test runs (every way ranks part, under every
-## backend): one launch each, 7 minutes on 2 cores (413 s measured); and the GPU check's CPU dry run and
-## the peers' benchmark, 7 minutes more, kept out of CI's scenarios for CI's time (docs/testing.md).
+## backend): one launch each, 7 minutes on 2 cores (413 s measured); and the GPU check's CPU dry run, the
+## peers' benchmark and the benchmark suite's rehearsals, 11 minutes more, kept out of CI's scenarios for
+## CI's time (docs/testing.md).
 test-matrix: setup
 	$(PY) -m pytest -n 2 --durations=20 -m matrix tests/launcher tests/system
 

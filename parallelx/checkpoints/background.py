@@ -28,6 +28,12 @@ A save waits for the previous one first (:func:`wait`, a collective), and so do 
 the run (``Backend.shutdown``, the Checkpointer's ``with`` block) and a preemption.  A
 thread rather than a process: the writer spends its time in ``torch.save``'s file writes
 and the store's uploads, which release the GIL (measured in docs/checkpoints.md).
+
+Sharded checkpoints (each rank's own shards, written by ``torch.distributed.checkpoint``)
+are staged the same way: each rank copies its local shards, their global layout kept
+(``StateIO.copy_shards``), and the writer runs DCP's write of the copies.  DCP's own
+collectives (the plans, the index) go over a Gloo group of the writers' own
+(:func:`writer_group`), never the training's.
 """
 
 from __future__ import annotations
