@@ -464,6 +464,45 @@ class GpuCheck(Check):
                 self.skip("fsdp", name, "CUDA only: float16 with loss scaling needs a GPU", needs="cuda")
             else:
                 self.step("fsdp", name, lambda p=precision: self._fsdp(p), need_s=60)
+        self.step(
+            "fsdp",
+            "sharded checkpoint in the background: the copies written, loaded exactly",
+            self._sharded_async,
+            need_s=60,
+        )
+
+    def _sharded_async(self) -> Outcome:
+        """fsdp's sharded checkpoint saved with ``asynchronous=True``: each rank's shards copied (into pinned
+        memory on a GPU), DCP's write on the writer thread over a Gloo group beside the training's NCCL one,
+        held until the training has stepped on; a fresh run loads exactly what was saved
+        (``tests/support/zero_shards_worker.py``, as tests/launcher/test_zero_shards.py runs it on the CPU)."""
+        import torch
+
+        out = self.work / "sharded-async"
+        worker = str(ROOT / "tests" / "support" / "zero_shards_worker.py")
+        args = ["--backend", "fsdp", "--fsdp-sharded-checkpoints", "--asynchronous", "--out", str(out)]
+        self.launched("fsdp", [worker, *args], cap=self.settings.launch_timeout_s, log_name="sharded-async")
+        r = torch.load(out / "result.pt", weights_only=True)
+
+        def worst(a: Any, b: Any) -> float:
+            if isinstance(a, dict):
+                return max((worst(a[k], b[k]) for k in a), default=0.0)
+            return float((a.double() - b.double()).abs().max()) if torch.is_tensor(a) and a.numel() else 0.0
+
+        figures = {
+            "loaded_vs_saved": max(worst(r["loaded"][k], r["saved"][k]) for k in ("model", "optimizer")),
+            "resumed_vs_uninterrupted": worst(r["B"], r["A"]),
+            "writer_threads": r["writer_threads"],
+        }
+        if r["writer_threads"] != ["parallelx-checkpoint"]:
+            raise Fail(f"the shards were written on {r['writer_threads']}, not the writer thread", figures=figures)
+        if figures["loaded_vs_saved"] != 0.0:
+            raise Fail(f"the loaded state differs from the saved by {figures['loaded_vs_saved']:.3g}", figures=figures)
+        return Outcome(
+            f"{r['world_size']} process(es): the writer thread wrote the copies after the next steps; loaded == saved "
+            f"exactly; the resumed run against the uninterrupted one: {figures['resumed_vs_uninterrupted']:.3g}",
+            figures,
+        )
 
     def _fsdp(self, precision: str) -> Outcome:
         model, size, batch = ("vgg16", 224, 8) if self.cuda else ("lenet", 32, 4)

@@ -9,7 +9,7 @@ launchers (tests/launcher/test_zero_shards.py).
 Without ``--load`` (each ZeRO stage of ``--stages``, one launch): A trains SAVE_AT steps, saves (each rank
 its partitions), trains MORE; B (other initial weights) loads A's checkpoint and trains MORE.  With
 ``--load``: B continues that checkpoint (another engine's, another world size), then saves its own.
-``--async-stages``: A's save of those stages is asynchronous, and its shards are written only after
+``--async-stages`` (``--asynchronous``: whatever the backend): A's save of those stages is asynchronous, and its shards are written only after
 A has trained on (the write held).  Rank 0 writes ``result.pt``: the whole state A saved (gathered, for the comparison only), the state B
 loaded, both runs' final weights.
 """
@@ -55,6 +55,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--load", type=Path, default=None, help="continue this checkpoint")
     p.add_argument("--async-stages", type=int, nargs="*", default=(), help="these stages' first save asynchronous")
+    p.add_argument("--asynchronous", action="store_true", help="the first save asynchronous (any backend)")
     add_stages(p)
     args, _ = p.parse_known_args()
     for out, options in stage_runs(args):
@@ -65,7 +66,7 @@ def main() -> int:
                 a = Run(backend, "adamw", dropout=0.0, noise=False)
                 a.train(SAVE_AT)
                 result["saved"] = whole(backend, a)
-                if options.get("zero_stage") in args.async_stages:
+                if args.asynchronous or options.get("zero_stage") in args.async_stages:
                     # In the background, written only once A has trained on: the copies must be what is written.
                     go, result["writer_threads"] = held_shard_writes()
                     path = a.save(out / "run", asynchronous=True)

@@ -129,6 +129,8 @@ def test_every_section_passed_or_was_skipped_with_a_reason(dry_run):
     sharded = items["fsdp / fsdp against ddp, bf16-mixed: memory per rank"]
     assert sharded["status"] == "passed" and sharded["figures"]["comm"] == "gloo"
     assert sharded["figures"]["ratio"] <= 0.6, "2 processes: fsdp holds about half of ddp's model state"
+    background = items["fsdp / sharded checkpoint in the background: the copies written, loaded exactly"]
+    assert background["status"] == "passed" and background["figures"]["loaded_vs_saved"] == 0.0
     loop = items["host-sync / training loop on ddp"]
     assert loop["status"] == "passed" and loop["figures"]["step_ratio"] > 0
     # The GPT pair: recomputing the blocks replays dropout's draws, so in float32 it ends on its twin's bits.
