@@ -92,12 +92,7 @@ def upload(staged: Path, folder: Location) -> None:
         for f in sorted(staged.iterdir()):
             storage.upload(f, storage.join(folder, SHARDS, f.name))
     finally:
-        discard(staged)
-
-
-def discard(staged: Path) -> None:
-    """Remove a staging folder :func:`stage` made whose upload will not happen."""
-    shutil.rmtree(staged.parent, ignore_errors=True)
+        shutil.rmtree(staged.parent, ignore_errors=True)
 
 
 def skeleton(shards: dict[str, Any]) -> dict[str, Any]:

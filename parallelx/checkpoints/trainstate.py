@@ -369,22 +369,17 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Location | None:
         return detect_environment().restored_checkpoint()
     storage.probe(root)
     pointer = storage.join(root, LATEST)
-    found = _complete(root)
-    newest = found[-1][1] if found else None
+    complete = [storage.name(p) for _, p in _complete(root)]  # by step: the newest last
     if storage.is_file(pointer):
         name = storage.read_bytes(pointer).decode(errors="replace").strip()
-        if newest is not None and name == storage.name(newest):
-            return newest
-        if not (_STEP_DIR.match(name) and is_complete(storage.join(root, name))):
+        if name not in complete:
             log.warn(
                 f"{storage.show(pointer)} names {name!r}, which is not a complete checkpoint; taking the newest one"
             )
-        elif newest is not None:  # its publishing stopped between the checkpoint's commit and `latest`
-            log.warn(
-                f"{storage.show(pointer)} names {name!r}, but {storage.name(newest)} is newer and complete; taking it"
-            )
-    if newest is not None:
-        return newest
+        elif name != complete[-1]:  # its publishing stopped between the checkpoint's commit and `latest`
+            log.warn(f"{storage.show(pointer)} names {name!r}, but {complete[-1]} is newer and complete; taking it")
+    if complete:
+        return storage.join(root, complete[-1])
     return detect_environment().restored_checkpoint() if isinstance(root, Path) else None
 
 

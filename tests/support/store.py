@@ -134,12 +134,7 @@ class Store:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+            self.halt()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
